@@ -1,0 +1,3 @@
+from aifs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Blocks of lake objects kept on the local disk.
+
+A block is identified by the object's key *and ETag* plus its index, so a
+changed object can never be answered from blocks of its old version: the old
+blocks simply stop being asked for and age out. Each block is one file,
+written to a temporary name and renamed, so a crash never leaves a torn
+block. Capacity is accounted in memory (rebuilt by a scan at start, oldest
+access first) and enforced by LRU eviction.
+
+All methods are blocking disk I/O: call them from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    """One version of a lake object: what cached blocks belong to."""
+
+    key: str
+    etag: str
+    size: int
+
+    @property
+    def ident(self) -> str:
+        return xxhash.xxh3_128_hexdigest(f"{self.key}\0{self.etag}".encode(
+            "utf-8", "surrogateescape"))
+
+
+class BlockCache:
+    def __init__(self, directory: Path, capacity: int) -> None:
+        self.root = directory / "blocks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # relative path -> bytes
+        self._per_object: dict[str, int] = {}  # ident -> bytes cached
+        self.used = 0
+        self.evictions = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        for shard in os.scandir(self.root):
+            if not shard.is_dir():
+                continue
+            for obj in os.scandir(shard.path):
+                for block in os.scandir(obj.path):
+                    if block.name.startswith("tmp-"):
+                        os.unlink(block.path)
+                        continue
+                    st = block.stat()
+                    found.append((st.st_atime, f"{shard.name}/{obj.name}/{block.name}",
+                                  st.st_size))
+        for _, rel, size in sorted(found):
+            self._account(rel, size)
+        if found:
+            log.info("block cache: %d blocks, %.1f MiB kept from before", len(found),
+                     self.used / 2**20)
+
+    def _account(self, rel: str, size: int) -> None:
+        self._lru[rel] = size
+        ident = rel.split("/")[1]
+        self._per_object[ident] = self._per_object.get(ident, 0) + size
+        self.used += size
+
+    @staticmethod
+    def _rel(version: ObjectVersion, index: int) -> str:
+        ident = version.ident
+        return f"{ident[:2]}/{ident}/{index}"
+
+    def read(self, version: ObjectVersion, index: int) -> bytes | None:
+        rel = self._rel(version, index)
+        with self._lock:
+            if rel not in self._lru:
+                return None
+            self._lru.move_to_end(rel)
+        try:
+            with open(self.root / rel, "rb") as fp:
+                return fp.read()
+        except FileNotFoundError:
+            self._forget(rel)
+            return None
+
+    def store(self, version: ObjectVersion, index: int, data: bytes) -> None:
+        rel = self._rel(version, index)
+        path = self.root / rel
+        with self._lock:
+            if rel in self._lru:
+                return
+        self._make_room(len(data))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as fp:
+                fp.write(data)
+            os.rename(tmp, path)
+        except OSError as exc:
+            # A full or failing cache disk costs speed, not correctness.
+            log.warning("cannot cache block %s: %s", rel, exc.strerror)
+            tmp.unlink(missing_ok=True)
+            return
+        with self._lock:
+            if rel not in self._lru:
+                self._account(rel, len(data))
+
+    def _make_room(self, incoming: int) -> None:
+        while True:
+            with self._lock:
+                if self.used + incoming <= self.capacity or not self._lru:
+                    return
+                rel, _ = next(iter(self._lru.items()))
+            self._forget(rel)
+            self.evictions += 1
+
+    def _forget(self, rel: str) -> None:
+        with self._lock:
+            size = self._lru.pop(rel, None)
+            if size is None:
+                return
+            ident = rel.split("/")[1]
+            self.used -= size
+            left = self._per_object.get(ident, 0) - size
+            if left > 0:
+                self._per_object[ident] = left
+            else:
+                self._per_object.pop(ident, None)
+        try:
+            os.unlink(self.root / rel)
+            os.rmdir((self.root / rel).parent)
+        except OSError:
+            pass
+
+    def cached_bytes(self, version: ObjectVersion) -> int:
+        with self._lock:
+            return self._per_object.get(version.ident, 0)

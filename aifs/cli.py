@@ -1,0 +1,150 @@
+"""The ``aifs`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from aifs import __version__
+from aifs.errors import AifsError, ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aifs", description="FUSE filesystem with AI-aware caching for data lakes")
+    parser.add_argument("--version", action="version", version=f"aifs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mount = sub.add_parser("mount", help="mount a lake",
+                           usage="aifs mount [LAKE_URL] MOUNTPOINT [options]")
+    mount.add_argument("targets", nargs="+", metavar="[LAKE_URL] MOUNTPOINT")
+    mount.add_argument("--config", "-c", help="TOML configuration file")
+    mount.add_argument("--foreground", "-f", action="store_true", default=None,
+                       help="stay in the foreground")
+    mount.add_argument("--cache-dir")
+    mount.add_argument("--cache-size", help="e.g. 20G")
+    mount.add_argument("--block-size", help="e.g. 8M")
+    mount.add_argument("--memory-cache", help="e.g. 256M")
+    mount.add_argument("--readahead-max", help="e.g. 128M")
+    mount.add_argument("--metadata-ttl", type=float, help="seconds")
+    mount.add_argument("--endpoint-url")
+    mount.add_argument("--region")
+    mount.add_argument("--profile")
+    mount.add_argument("--path-style", choices=["true", "false"])
+    mount.add_argument("--max-connections", type=int)
+    mount.add_argument("--request-timeout", type=float)
+    mount.add_argument("--retries", type=int)
+    mount.add_argument("--allow-other", action="store_true", default=None)
+    mount.add_argument("--log-level")
+    mount.add_argument("--log-file")
+    mount.add_argument("-o", dest="fuse_options", action="append", default=None,
+                       help="FUSE mount options")
+
+    umount = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    umount.add_argument("mountpoint")
+    umount.add_argument("--timeout", type=float, default=120.0)
+    return parser
+
+
+def _mount(args: argparse.Namespace) -> int:
+    from aifs.config import default_lake_url, load_config
+    from aifs.daemon import check_mountpoint, serve, setup_logging
+
+    if len(args.targets) > 2:
+        raise ConfigError("expected [LAKE_URL] MOUNTPOINT")
+    lake = args.targets[0] if len(args.targets) == 2 else None
+    overrides = {name: getattr(args, name) for name in (
+        "cache_dir", "cache_size", "block_size", "memory_cache", "readahead_max",
+        "metadata_ttl", "endpoint_url", "region", "profile", "path_style",
+        "max_connections", "request_timeout", "retries", "allow_other", "log_level",
+        "log_file", "foreground", "fuse_options")}
+    overrides["lake"] = lake
+    overrides["mountpoint"] = os.path.abspath(args.targets[-1])
+    config = load_config(args.config, overrides)
+    if not config.lake and not lake:
+        # The embedded default works with no configuration: create it.
+        os.makedirs(default_lake_url()[len("file://"):], exist_ok=True)
+    check_mountpoint(config.mountpoint)
+
+    if config.foreground:
+        setup_logging(config.log_level, config.log_file or None)
+        return serve(config)
+
+    cache_dir = config.resolved_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    log_file = config.log_file or str(cache_dir / "aifs.log")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(read_end)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        status = 1
+        try:
+            setup_logging(config.log_level, log_file)
+            status = serve(config, ready_fd=write_end)
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read().decode(errors="replace").strip()
+    if answer == "OK":
+        return 0
+    if answer.startswith("ERR "):
+        raise AifsError(answer[4:])
+    os.waitpid(pid, 0)
+    raise AifsError(f"the mount daemon exited before serving; see {log_file}")
+
+
+def _umount(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    pid = None
+    try:
+        pid = int(os.getxattr(mountpoint, "user.aifs.pid"))
+    except (OSError, ValueError):
+        pass
+    result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        message = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+        raise AifsError(f"cannot unmount {mountpoint}: {message or 'fusermount3 failed'}")
+    if pid is not None:
+        deadline = time.monotonic() + args.timeout
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise AifsError(f"unmounted, but daemon {pid} is still running after "
+                                f"{args.timeout:.0f}s")
+            time.sleep(0.05)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            return fp.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return _mount(args)
+        if args.command == "umount":
+            return _umount(args)
+    except AifsError as exc:
+        print(f"aifs: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

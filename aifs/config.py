@@ -1,0 +1,167 @@
+"""Mount configuration: one table of options, read from defaults, a TOML file,
+``AIFS_*`` environment variables and the command line (later wins).
+
+Every option the code accepts is a field of :class:`Config`; the README's
+configuration reference is generated from the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aifs.errors import ConfigError
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse ``64M``, ``10GiB`` or a plain byte count."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
+    if not match:
+        raise ConfigError(f"not a size: {value!r} (use bytes or a suffix such as 512M, 20G)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def default_lake_url() -> str:
+    """The embedded default lake: a local directory, no configuration needed."""
+    base = "/var/lib/aifs" if os.geteuid() == 0 else os.path.expanduser("~/.local/share/aifs")
+    return "file://" + os.path.join(base, "lake")
+
+
+def _option(default: Any, doc: str, kind: str = "str", env: bool = True) -> Any:
+    return field(default=default, metadata={"doc": doc, "kind": kind, "env": env})
+
+
+@dataclass
+class Config:
+    """Options of one mount. ``doc`` metadata feeds the README reference."""
+
+    lake: str = _option("", "Lake URL: s3://BUCKET[/PREFIX], file:///DIR or a path. "
+                        "Empty means the embedded local-directory lake.")
+    mountpoint: str = _option("", "Directory to mount on.", env=False)
+    cache_dir: str = _option("", "Local (NVMe) directory for cached blocks and metadata. "
+                             "Default: /var/cache/aifs/<id> (root) or ~/.cache/aifs/<id>.")
+    cache_size: int = _option(parse_size("20G"), "Capacity of the block cache in bytes "
+                              "(suffixes K, M, G, T).", "size")
+    block_size: int = _option(parse_size("8M"), "Size of cached blocks and range GETs.", "size")
+    memory_cache: int = _option(parse_size("256M"), "Bytes of recently used blocks kept in "
+                                "memory to answer reads without disk I/O.", "size")
+    readahead_max: int = _option(parse_size("128M"), "Largest sequential readahead window "
+                                 "per open file.", "size")
+    metadata_ttl: float = _option(60.0, "Seconds a directory listing, and the kernel's "
+                                  "attribute and entry caches, stay valid before the lake "
+                                  "is asked again.", "float")
+    endpoint_url: str = _option("", "S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS).")
+    region: str = _option("", "S3 region (default: the AWS credential chain's, else us-east-1).")
+    profile: str = _option("", "AWS profile name for credentials.")
+    path_style: bool = _option(True, "Use path-style S3 addressing (needed by most "
+                               "non-AWS servers).", "bool")
+    max_connections: int = _option(32, "Concurrent lake requests (connection pool size).", "int")
+    request_timeout: float = _option(30.0, "Seconds before a lake request is abandoned and "
+                                     "retried.", "float")
+    retries: int = _option(5, "Attempts for a lake request that fails transiently.", "int")
+    allow_other: bool = _option(False, "Let users other than the mounting one access the "
+                                "mount (FUSE allow_other).", "bool")
+    log_level: str = _option("info", "Logging level: debug, info, warning, error.")
+    log_file: str = _option("", "Log file of a daemonized mount (default: "
+                            "<cache_dir>/aifs.log).")
+    foreground: bool = _option(False, "Stay in the foreground instead of daemonizing.",
+                               "bool", env=False)
+    fuse_options: list[str] = field(default_factory=list, metadata={
+        "doc": "Extra FUSE mount options (-o).", "kind": "list", "env": False})
+
+    # -- derived values -------------------------------------------------
+    def resolved_lake(self) -> str:
+        lake = self.lake or default_lake_url()
+        if "://" not in lake:
+            lake = "file://" + os.path.abspath(lake)
+        return lake
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).absolute()
+        ident = hashlib.sha256(
+            f"{self.resolved_lake()}\0{os.path.abspath(self.mountpoint)}".encode()
+        ).hexdigest()[:16]
+        base = "/var/cache/aifs" if os.geteuid() == 0 else os.path.expanduser("~/.cache/aifs")
+        return Path(base) / ident
+
+    def validate(self) -> None:
+        if self.block_size < 64 * 1024 or self.block_size > 1 << 30:
+            raise ConfigError("block_size must be between 64K and 1G")
+        if self.cache_size < self.block_size * 4:
+            raise ConfigError("cache_size must hold at least four blocks")
+        if self.metadata_ttl < 0:
+            raise ConfigError("metadata_ttl must not be negative")
+        if self.max_connections < 1 or self.retries < 1:
+            raise ConfigError("max_connections and retries must be at least 1")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"unknown log level {self.log_level!r}")
+
+
+def option_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(Config))
+
+
+def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
+    kind = f.metadata["kind"]
+    try:
+        if kind == "size":
+            return parse_size(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind == "list":
+            return [str(v) for v in value] if isinstance(value, list) else str(value).split(",")
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: bad value {value!r} for {f.name}") from exc
+
+
+def load_config(config_file: str | None, overrides: dict[str, Any],
+                environ: dict[str, str] | None = None) -> Config:
+    """Build a Config from defaults < TOML file < AIFS_* variables < overrides."""
+    environ = os.environ if environ is None else environ
+    cfg = Config()
+    fields = {f.name: f for f in option_fields()}
+    if config_file:
+        try:
+            with open(config_file, "rb") as fp:
+                data = tomllib.load(fp)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {config_file}") from exc
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        for name, value in data.items():
+            key = name.replace("-", "_")
+            if key not in fields:
+                raise ConfigError(f"{config_file}: unknown option {name!r}")
+            setattr(cfg, key, _convert(fields[key], value, config_file))
+    for f in fields.values():
+        var = "AIFS_" + f.name.upper()
+        if f.metadata["env"] and var in environ:
+            setattr(cfg, f.name, _convert(f, environ[var], var))
+    for name, value in overrides.items():
+        if value is not None:
+            setattr(cfg, name, _convert(fields[name], value, "--" + name.replace("_", "-")))
+    cfg.validate()
+    return cfg

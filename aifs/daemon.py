@@ -1,0 +1,180 @@
+"""Builds and wires a mount: store, metadata, cache, core, FUSE; signals,
+readiness (sd_notify and the parent's pipe), clean shutdown."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import trio
+
+from aifs.cache.blocks import BlockCache
+from aifs.config import Config
+from aifs.errors import AifsError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler
+    if log_file:
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (or whoever set NOTIFY_SOCKET) about our state."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        except OSError as exc:
+            log.warning("sd_notify failed: %s", exc)
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    """Catch the usual mistakes before doing any work."""
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise ConfigError(f"mountpoint {mountpoint} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise ConfigError(f"{mountpoint} is a dead mount (its daemon is gone): "
+                              f"run 'aifs umount {mountpoint}' first") from None
+        raise ConfigError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+    import stat as stat_mod
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise ConfigError(f"mountpoint {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise ConfigError(f"mountpoint {mountpoint} is busy: something is mounted there")
+    if not os.path.exists("/dev/fuse"):
+        raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) "
+                          "or give the container the device")
+
+
+class CacheLock:
+    """One mount per cache directory: two would corrupt each other's state."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ConfigError(f"cache directory {directory} is in use by another "
+                              "aifs mount") from None
+
+
+def mount_options(config: Config) -> set[str]:
+    import pyfuse3
+    options = set(pyfuse3.default_options)
+    fsname = config.resolved_lake().replace(",", "_")
+    options |= {f"fsname={fsname}", "subtype=aifs", "noatime"}
+    if config.allow_other:
+        options.add("allow_other")
+    for opt in config.fuse_options:
+        for part in opt.split(","):
+            if part.strip():
+                options.add(part.strip())
+    return options
+
+
+def serve(config: Config, ready_fd: int | None = None) -> int:
+    """Mount and serve until unmounted or signalled; return an exit status.
+
+    Problems found before the mount serves are reported as one line, on
+    ``ready_fd`` (to the parent of a daemonized mount) or raised.
+    """
+    def report(message: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, message.encode() + b"\n")
+            os.close(ready_fd)
+
+    try:
+        cache_dir = config.resolved_cache_dir()
+        lock = CacheLock(cache_dir)
+        from aifs.lake import open_store
+        store = open_store(config)
+        return trio.run(_serve, config, store, cache_dir, report, lock)
+    except AifsError as exc:
+        if ready_fd is None:
+            raise
+        log.error("%s", exc)
+        report(f"ERR {exc}")
+        return 1
+
+
+async def _serve(config: Config, store: object, cache_dir: Path,
+                 report: object, lock: CacheLock) -> int:
+    import pyfuse3
+
+    from aifs.core import Filesystem
+    from aifs.fuse_ops import Operations
+    from aifs.lake.base import ObjectStore
+    from aifs.meta.store import MetaStore
+    assert isinstance(store, ObjectStore)
+    await store.check()
+    meta = MetaStore(cache_dir / "meta")
+    purged = meta.purge_orphans()
+    if purged:
+        log.info("dropped %d stale inodes", purged)
+    cache = await trio.to_thread.run_sync(BlockCache, cache_dir, config.cache_size)
+    fs = Filesystem(config, store, meta, cache)
+    ops = Operations(fs)
+    mountpoint = os.path.abspath(config.mountpoint)
+    try:
+        pyfuse3.init(ops, mountpoint, mount_options(config))
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot mount on {mountpoint}: {exc}") from None
+    log.info("mounted %s on %s (cache %s)", store.description, mountpoint, cache_dir)
+    try:
+        async with trio.open_nursery() as nursery:
+            fs.start(nursery)
+            nursery.start_soon(_on_signals)
+            nursery.start_soon(_announce_ready, mountpoint, report)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+    finally:
+        sd_notify("STOPPING=1")
+        pyfuse3.close(unmount=True)
+        meta.close()
+        await store.aclose()
+        log.info("unmounted %s", mountpoint)
+    return 0
+
+
+async def _announce_ready(mountpoint: str, report: object) -> None:
+    """READY only once the mount answers a request, not merely exists."""
+    await trio.to_thread.run_sync(os.stat, mountpoint)
+    sd_notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
+    assert callable(report)
+    report("OK")
+
+
+async def _on_signals() -> None:
+    import pyfuse3
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return

@@ -1,0 +1,62 @@
+"""Error types shared by every layer.
+
+The message of an :class:`AifsError` is written for the user: the CLI prints
+it as one line, without a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class AifsError(Exception):
+    """An error whose message is fit to show the user as one line."""
+
+
+class ConfigError(AifsError):
+    """Bad configuration or command-line input."""
+
+
+class LakeError(AifsError):
+    """A lake request failed. ``transient`` errors are worth retrying."""
+
+    transient = False
+    errno = errno.EIO
+
+
+class ObjectNotFound(LakeError):
+    errno = errno.ENOENT
+
+
+class PreconditionFailed(LakeError):
+    """The object changed (ETag) since we learned of it."""
+
+    errno = errno.ESTALE
+
+
+class LakeUnavailable(LakeError):
+    """Endpoint unreachable, timed out, throttled or answering 5xx."""
+
+    transient = True
+
+
+class AccessDenied(LakeError):
+    errno = errno.EACCES
+
+
+class BucketNotFound(LakeError):
+    pass
+
+
+class InvalidKey(LakeError):
+    """A key the store cannot hold (for example ``..`` in a local lake)."""
+
+    errno = errno.EINVAL
+
+
+class FsError(Exception):
+    """A POSIX error raised by core; fuse_ops turns it into FUSEError."""
+
+    def __init__(self, err: int, message: str = "") -> None:
+        super().__init__(message or errno.errorcode.get(err, str(err)))
+        self.errno = err

@@ -1,0 +1,31 @@
+"""Lake access: :func:`open_store` turns a lake URL into an ObjectStore."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlparse
+
+from aifs.config import Config
+from aifs.errors import ConfigError
+from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
+
+__all__ = ["ListPage", "ObjectInfo", "ObjectStore", "open_store"]
+
+
+def open_store(config: Config) -> ObjectStore:
+    """Build the store for ``config``'s lake URL (s3:// or file://)."""
+    url = config.resolved_lake()
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        from aifs.lake.local import LocalStore
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"file:// lake must be local: {url}")
+        return LocalStore(unquote(parsed.path), max_threads=config.max_connections)
+    if parsed.scheme == "s3":
+        from aifs.lake.s3 import S3Store
+        if not parsed.netloc:
+            raise ConfigError(f"no bucket in lake URL {url} (use s3://BUCKET[/PREFIX])")
+        return S3Store(parsed.netloc, unquote(parsed.path), endpoint_url=config.endpoint_url,
+                       region=config.region, profile=config.profile,
+                       path_style=config.path_style, max_connections=config.max_connections,
+                       timeout=config.request_timeout, retries=config.retries)
+    raise ConfigError(f"unsupported lake URL {url!r} (use s3://BUCKET/PREFIX or file:///DIR)")

@@ -1,0 +1,95 @@
+"""The one interface every lake implements.
+
+Keys are relative to the store's own prefix: core never sees the bucket or
+prefix. Every call is idempotent so that a retry, or a call whose outcome is
+unknown after cancellation, can simply be made again.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    mtime: float
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ListPage:
+    objects: list[ObjectInfo]
+    prefixes: list[str]
+    next_token: str | None
+
+
+class ObjectStore(abc.ABC):
+    """Object-store operations used by aifs (S3 semantics)."""
+
+    #: a short description for logs and error messages (never secrets)
+    description: str = ""
+
+    async def check(self) -> None:
+        """Fail with a clear LakeError if the lake cannot be used."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes:
+        """Bytes [start, start+length) of the object; fewer at its end.
+
+        With ``if_match`` a changed object raises PreconditionFailed instead
+        of returning bytes of another version.
+        """
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: bytes,
+                  metadata: dict[str, str] | None = None) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def create_multipart(self, key: str,
+                               metadata: dict[str, str] | None = None) -> str: ...
+
+    @abc.abstractmethod
+    async def upload_part(self, key: str, upload_id: str, part_number: int,
+                          data: bytes) -> str: ...
+
+    @abc.abstractmethod
+    async def complete_multipart(self, key: str, upload_id: str,
+                                 parts: list[tuple[int, str]]) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def abort_multipart(self, key: str, upload_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def list_page(self, prefix: str, delimiter: str | None = "/",
+                        token: str | None = None, max_keys: int = 1000) -> ListPage: ...
+
+    async def iter_list(self, prefix: str,
+                        delimiter: str | None = "/") -> AsyncIterator[ListPage]:
+        """All pages of a listing."""
+        token: str | None = None
+        while True:
+            page = await self.list_page(prefix, delimiter, token)
+            yield page
+            token = page.next_token
+            if not token:
+                return
+
+    @abc.abstractmethod
+    async def delete_many(self, keys: list[str]) -> None:
+        """Delete keys; keys that do not exist are not an error."""
+
+    @abc.abstractmethod
+    async def copy(self, src: str, dst: str,
+                   metadata: dict[str, str] | None = None) -> ObjectInfo: ...
+
+    async def aclose(self) -> None:
+        """Release resources (connection pools)."""

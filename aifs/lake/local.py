@@ -1,0 +1,329 @@
+"""A local directory as a lake (``file://``): the embedded default.
+
+Key ``a/b/c`` is the file ``ROOT/a/b/c``; key ``a/`` (a directory marker) is
+the directory ``ROOT/a``. Writes go to a temporary file renamed into place, so
+a reader never sees a partial object and a replaced object gets a new ETag
+(derived from inode, mtime and size). User metadata lives in ``user.`` xattrs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import trio
+import xxhash
+
+from aifs.errors import BucketNotFound, InvalidKey, LakeError, ObjectNotFound, \
+    PreconditionFailed
+from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
+
+T = TypeVar("T")
+STAGING = ".aifs-uploads"
+TMP_PREFIX = ".aifs-tmp-"
+META_XATTR = "user.aifs.meta."
+PAGE = 1000
+
+
+def _etag(st: os.stat_result) -> str:
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str, prefix: str = "", max_threads: int = 16) -> None:
+        self.root = os.path.abspath(root)
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.description = f"file://{self.root}" + (f" (prefix {self.prefix})" if prefix else "")
+        self._limiter = trio.CapacityLimiter(max_threads)
+
+    # -- helpers --------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"no such object: {exc.filename}") from exc
+        except NotADirectoryError as exc:
+            raise ObjectNotFound(f"no such object: {exc.filename}") from exc
+        except OSError as exc:
+            raise LakeError(f"local lake {self.root}: {exc.strerror}: {exc.filename}") from exc
+
+    def _path(self, key: str) -> str:
+        full = self.prefix + key
+        parts = full.rstrip("/").split("/") if full.rstrip("/") else []
+        for part in parts:
+            if part in ("", ".", "..") or "\0" in part:
+                raise InvalidKey(f"key {key!r} cannot be stored in a local lake")
+        if parts and parts[0] in (STAGING,) or any(p.startswith(TMP_PREFIX) for p in parts):
+            raise InvalidKey(f"key {key!r} uses a name reserved by the local lake")
+        return os.path.join(self.root, *parts)
+
+    def _info(self, key: str, path: str, st: os.stat_result, with_meta: bool) -> ObjectInfo:
+        meta: dict[str, str] = {}
+        if with_meta:
+            try:
+                for name in os.listxattr(path):
+                    if name.startswith(META_XATTR):
+                        meta[name[len(META_XATTR):]] = os.getxattr(path, name).decode()
+            except OSError:
+                pass
+        return ObjectInfo(key, 0 if key.endswith("/") else st.st_size, _etag(st),
+                          st.st_mtime, meta)
+
+    def _write_atomic(self, path: str, writer: Callable[[int], None],
+                      metadata: dict[str, str] | None) -> os.stat_result:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            writer(fd)
+            for name, value in (metadata or {}).items():
+                os.setxattr(fd, META_XATTR + name, value.encode())
+            os.fsync(fd)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, path)
+        except IsADirectoryError as exc:
+            os.unlink(tmp)
+            raise InvalidKey(f"{path}: a directory of that name exists") from exc
+        return st
+
+    # -- interface ------------------------------------------------------
+    async def check(self) -> None:
+        if not os.path.isdir(self.root):
+            raise BucketNotFound(f"local lake directory {self.root} does not exist")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise LakeError(f"local lake directory {self.root} is not readable")
+
+    async def head(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+
+        def do() -> ObjectInfo:
+            st = os.stat(path)
+            if key.endswith("/") != os.path.isdir(path):
+                raise FileNotFoundError(errno.ENOENT, "not found", path)
+            return self._info(key, path, st, True)
+        return await self._run(do)
+
+    async def get_range(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes:
+        path = self._path(key)
+
+        def do() -> bytes:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                if if_match is not None and _etag(st) != if_match:
+                    raise PreconditionFailed(f"{key} changed in the lake")
+                return os.pread(fd, length, start)
+            finally:
+                os.close(fd)
+        return await self._run(do)
+
+    async def put(self, key: str, data: bytes,
+                  metadata: dict[str, str] | None = None) -> ObjectInfo:
+        path = self._path(key)
+
+        def do() -> ObjectInfo:
+            if key.endswith("/"):
+                if data:
+                    raise InvalidKey(f"directory marker {key!r} must be empty")
+                os.makedirs(path, exist_ok=True)
+                return self._info(key, path, os.stat(path), False)
+
+            def write(fd: int) -> None:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            st = self._write_atomic(path, write, metadata)
+            return ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime,
+                              dict(metadata or {}))
+        return await self._run(do)
+
+    def _staging(self, upload_id: str) -> str:
+        if not upload_id.isalnum():
+            raise InvalidKey(f"bad upload id {upload_id!r}")
+        return os.path.join(self.root, STAGING, upload_id)
+
+    async def create_multipart(self, key: str,
+                               metadata: dict[str, str] | None = None) -> str:
+        self._path(key)
+        upload_id = uuid.uuid4().hex
+
+        def do() -> str:
+            staging = self._staging(upload_id)
+            os.makedirs(staging)
+            with open(os.path.join(staging, "key"), "w") as fp:
+                fp.write(key)
+            for name, value in (metadata or {}).items():
+                os.setxattr(staging, META_XATTR + name, value.encode())
+            return upload_id
+        return await self._run(do)
+
+    async def upload_part(self, key: str, upload_id: str, part_number: int,
+                          data: bytes) -> str:
+        if not 1 <= part_number <= 10000:
+            raise InvalidKey(f"part number {part_number} out of range")
+        staging = self._staging(upload_id)
+
+        def do() -> str:
+            if not os.path.isdir(staging):
+                raise ObjectNotFound(f"no such upload {upload_id}")
+            tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+            with open(tmp, "wb") as fp:
+                fp.write(data)
+            os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
+            return xxhash.xxh3_64_hexdigest(data)
+        return await self._run(do)
+
+    async def complete_multipart(self, key: str, upload_id: str,
+                                 parts: list[tuple[int, str]]) -> ObjectInfo:
+        path = self._path(key)
+        staging = self._staging(upload_id)
+
+        def do() -> ObjectInfo:
+            if not os.path.isdir(staging):
+                raise ObjectNotFound(f"no such upload {upload_id}")
+            metadata = {n[len(META_XATTR):]: os.getxattr(staging, n).decode()
+                        for n in os.listxattr(staging) if n.startswith(META_XATTR)}
+
+            def write(fd: int) -> None:
+                for number, _etag_ in sorted(parts):
+                    with open(os.path.join(staging, f"part-{number:05d}"), "rb") as src:
+                        while chunk := src.read(1 << 22):
+                            os.write(fd, chunk)
+            st = self._write_atomic(path, write, metadata)
+            shutil.rmtree(staging, ignore_errors=True)
+            return ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime, metadata)
+        return await self._run(do)
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        staging = self._staging(upload_id)
+        await self._run(shutil.rmtree, staging, True)
+
+    async def list_page(self, prefix: str, delimiter: str | None = "/",
+                        token: str | None = None, max_keys: int = 1000) -> ListPage:
+        entries = await self._run(self._list_all, prefix, delimiter)
+        if token:
+            entries = [e for e in entries if (e if isinstance(e, str) else e.key) > token]
+        page, rest = entries[:max_keys], entries[max_keys:]
+        return self._page(page, bool(rest))
+
+    async def iter_list(self, prefix: str,
+                        delimiter: str | None = "/") -> AsyncIterator[ListPage]:
+        # One directory scan for the whole listing, served in pages.
+        entries = await self._run(self._list_all, prefix, delimiter)
+        for start in range(0, max(len(entries), 1), PAGE):
+            yield self._page(entries[start:start + PAGE], start + PAGE < len(entries))
+
+    @staticmethod
+    def _page(entries: list[ObjectInfo | str], more: bool) -> ListPage:
+        objects = [e for e in entries if isinstance(e, ObjectInfo)]
+        prefixes = [e for e in entries if isinstance(e, str)]
+        last = entries[-1] if entries else None
+        token = (last if isinstance(last, str) else last.key) if more and last else None
+        return ListPage(objects, prefixes, token)
+
+    def _list_all(self, prefix: str, delimiter: str | None) -> list[ObjectInfo | str]:
+        """Sorted objects and common prefixes under ``prefix`` (S3 order)."""
+        dir_part, _, start = prefix.rpartition("/")
+        dir_key = dir_part + "/" if dir_part else ""
+        try:
+            directory = self._path(dir_key)
+        except InvalidKey:
+            return []
+        out: list[ObjectInfo | str] = []
+        if delimiter is None:
+            self._walk(directory, dir_key, start, out)
+        elif delimiter == "/":
+            self._scan(directory, dir_key, start, out)
+        else:
+            raise InvalidKey("the local lake supports only '/' as delimiter")
+        out.sort(key=lambda e: e if isinstance(e, str) else e.key)
+        return out
+
+    def _visible(self, dir_key: str, name: str) -> bool:
+        if name.startswith(TMP_PREFIX):
+            return False
+        return not (self.prefix + dir_key == "" and name == STAGING)
+
+    def _scan(self, directory: str, dir_key: str, start: str,
+              out: list[ObjectInfo | str]) -> None:
+        try:
+            it = os.scandir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        with it:
+            for entry in it:
+                name = entry.name
+                if not name.startswith(start) or not self._visible(dir_key, name):
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        out.append(dir_key + name + "/")
+                    elif entry.is_file(follow_symlinks=False):
+                        out.append(self._info(dir_key + name, entry.path, entry.stat(), False))
+                except FileNotFoundError:
+                    continue
+
+    def _walk(self, directory: str, dir_key: str, start: str,
+              out: list[ObjectInfo | str]) -> None:
+        found: list[ObjectInfo | str] = []
+        self._scan(directory, dir_key, start, found)
+        if dir_key and not start and not found and os.path.isdir(directory):
+            out.append(self._info(dir_key, directory, os.stat(directory), False))
+        for item in found:
+            if isinstance(item, str):
+                self._walk(os.path.join(directory, item[len(dir_key):-1]), item, "", out)
+            else:
+                out.append(item)
+
+    async def delete_many(self, keys: list[str]) -> None:
+        paths = [(key, self._path(key)) for key in keys]
+
+        def do() -> None:
+            for key, path in paths:
+                try:
+                    if key.endswith("/"):
+                        os.rmdir(path)
+                    else:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                        raise
+                # drop now-empty implicit parent directories, as S3 would
+                parent = os.path.dirname(path)
+                while parent != self.root and parent.startswith(self.root):
+                    try:
+                        os.rmdir(parent)
+                    except OSError:
+                        break
+                    parent = os.path.dirname(parent)
+        await self._run(do)
+
+    async def copy(self, src: str, dst: str,
+                   metadata: dict[str, str] | None = None) -> ObjectInfo:
+        src_path, dst_path = self._path(src), self._path(dst)
+
+        def do() -> ObjectInfo:
+            src_info = self._info(src, src_path, os.stat(src_path), True)
+
+            def write(fd: int) -> None:
+                with open(src_path, "rb") as fp:
+                    while chunk := fp.read(1 << 22):
+                        os.write(fd, chunk)
+            meta = src_info.metadata if metadata is None else metadata
+            st = self._write_atomic(dst_path, write, meta)
+            return ObjectInfo(dst, st.st_size, _etag(os.stat(dst_path)), st.st_mtime, meta)
+        return await self._run(do)

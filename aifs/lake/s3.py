@@ -1,0 +1,233 @@
+"""S3 lake through boto3.
+
+boto3 is blocking: every call runs in a worker thread, under a CapacityLimiter
+sized to the connection pool so threads never wait on the pool. The client is
+built once, before any thread uses it. botocore's own retries are off: retry
+with backoff happens once, in :mod:`aifs.lake.retry`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import trio
+
+from aifs.errors import AccessDenied, BucketNotFound, InvalidKey, LakeError, \
+    LakeUnavailable, ObjectNotFound, PreconditionFailed
+from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
+from aifs.lake.retry import RetryPolicy
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+           "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+_TRANSIENT = {"SlowDown", "503", "500", "502", "504", "InternalError", "RequestTimeout",
+              "ServiceUnavailable", "RequestTimeTooSkewed", "Throttling", "ThrottlingException"}
+
+
+class S3Store(ObjectStore):
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str = "",
+                 region: str = "", profile: str = "", path_style: bool = True,
+                 max_connections: int = 32, timeout: float = 30.0,
+                 retries: int = 5) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.retry = RetryPolicy(attempts=retries)
+        self.limiter = trio.CapacityLimiter(max_connections)
+        try:
+            session = boto3.session.Session(profile_name=profile or None)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise AccessDenied(f"AWS profile not found: {profile}") from exc
+        config = botocore.config.Config(
+            max_pool_connections=max_connections,
+            connect_timeout=min(timeout, 10.0),
+            read_timeout=timeout,
+            retries={"total_max_attempts": 1},
+            s3={"addressing_style": "path" if path_style else "auto"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.client = session.client(
+            "s3", endpoint_url=endpoint_url or None,
+            region_name=region or session.region_name or "us-east-1", config=config)
+        endpoint = self.client.meta.endpoint_url
+        self.description = f"s3://{bucket}/{self.prefix} at {endpoint}"
+
+    # -- plumbing -------------------------------------------------------
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _translate(self, exc: Exception, what: str) -> LakeError:
+        if isinstance(exc, botocore.exceptions.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            message = err.get("Message") or code or status
+            if code == "NoSuchBucket":
+                return BucketNotFound(f"bucket {self.bucket!r} does not exist "
+                                      f"at {self.client.meta.endpoint_url}")
+            if code in _NOT_FOUND or status == "404":
+                return ObjectNotFound(f"{what}: not found")
+            if code in ("PreconditionFailed", "412") or status == "412":
+                return PreconditionFailed(f"{what}: object changed in the lake")
+            if code in _DENIED or status == "403":
+                return AccessDenied(f"access denied by {self.client.meta.endpoint_url} "
+                                    f"({code}): check the credentials")
+            if code in _TRANSIENT or status.startswith("5"):
+                return LakeUnavailable(f"{what}: {message}")
+            if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
+                return InvalidKey(f"{what}: {message}")
+            return LakeError(f"{what}: {code} {message}")
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            return AccessDenied("no AWS credentials found (set AWS_ACCESS_KEY_ID/"
+                                "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")
+        if isinstance(exc, (botocore.exceptions.EndpointConnectionError,
+                            botocore.exceptions.ConnectTimeoutError,
+                            botocore.exceptions.ReadTimeoutError,
+                            botocore.exceptions.ConnectionClosedError,
+                            botocore.exceptions.ResponseStreamingError)):
+            return LakeUnavailable(f"cannot reach {self.client.meta.endpoint_url}: "
+                                   f"{type(exc).__name__}")
+        if isinstance(exc, botocore.exceptions.BotoCoreError):
+            return LakeUnavailable(f"{what}: {exc}")
+        raise exc
+
+    async def _call(self, what: str, fn: Callable[[], T]) -> T:
+        def guarded() -> T:
+            try:
+                return fn()
+            except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+                raise self._translate(exc, what) from None
+
+        async def attempt() -> T:
+            return await trio.to_thread.run_sync(guarded, limiter=self.limiter)
+        return await self.retry.call(what, attempt)
+
+    @staticmethod
+    def _meta_of(resp: dict[str, Any]) -> dict[str, str]:
+        return {k.lower(): v for k, v in (resp.get("Metadata") or {}).items()}
+
+    # -- interface ------------------------------------------------------
+    async def check(self) -> None:
+        await self._call(f"bucket {self.bucket}",
+                         lambda: self.client.head_bucket(Bucket=self.bucket))
+        # HEAD bucket answers 403 for a wrong key on some servers but 404 on
+        # others; a one-key listing proves that we may read.
+        await self._call(f"list s3://{self.bucket}/{self.prefix}",
+                         lambda: self.client.list_objects_v2(
+                             Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1))
+
+    async def head(self, key: str) -> ObjectInfo:
+        resp = await self._call(f"HEAD {key}", lambda: self.client.head_object(
+            Bucket=self.bucket, Key=self._k(key)))
+        return ObjectInfo(key, resp["ContentLength"], resp["ETag"],
+                          resp["LastModified"].timestamp(), self._meta_of(resp))
+
+    async def get_range(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes:
+        if length <= 0:
+            return b""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key),
+                                "Range": f"bytes={start}-{start + length - 1}"}
+        if if_match:
+            args["IfMatch"] = if_match
+
+        def do() -> bytes:
+            try:
+                resp = self.client.get_object(**args)
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""
+                raise
+            with resp["Body"] as body:
+                return body.read()
+        return await self._call(f"GET {key}", do)
+
+    async def put(self, key: str, data: bytes,
+                  metadata: dict[str, str] | None = None) -> ObjectInfo:
+        resp = await self._call(f"PUT {key}", lambda: self.client.put_object(
+            Bucket=self.bucket, Key=self._k(key), Body=data, Metadata=metadata or {}))
+        return ObjectInfo(key, len(data), resp["ETag"], time.time(),
+                          dict(metadata or {}))
+
+    async def create_multipart(self, key: str,
+                               metadata: dict[str, str] | None = None) -> str:
+        resp = await self._call(f"create multipart {key}",
+                                lambda: self.client.create_multipart_upload(
+                                    Bucket=self.bucket, Key=self._k(key),
+                                    Metadata=metadata or {}))
+        return resp["UploadId"]
+
+    async def upload_part(self, key: str, upload_id: str, part_number: int,
+                          data: bytes) -> str:
+        resp = await self._call(f"upload part {part_number} of {key}",
+                                lambda: self.client.upload_part(
+                                    Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
+                                    PartNumber=part_number, Body=data))
+        return resp["ETag"]
+
+    async def complete_multipart(self, key: str, upload_id: str,
+                                 parts: list[tuple[int, str]]) -> ObjectInfo:
+        await self._call(f"complete multipart {key}",
+                         lambda: self.client.complete_multipart_upload(
+                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
+                             MultipartUpload={"Parts": [
+                                 {"PartNumber": n, "ETag": e} for n, e in sorted(parts)]}))
+        return await self.head(key)
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            await self._call(f"abort multipart {key}",
+                             lambda: self.client.abort_multipart_upload(
+                                 Bucket=self.bucket, Key=self._k(key), UploadId=upload_id))
+        except ObjectNotFound:
+            pass
+
+    async def list_page(self, prefix: str, delimiter: str | None = "/",
+                        token: str | None = None, max_keys: int = 1000) -> ListPage:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix),
+                                "MaxKeys": max_keys}
+        if delimiter:
+            args["Delimiter"] = delimiter
+        if token:
+            args["ContinuationToken"] = token
+        resp = await self._call(f"LIST {prefix}", lambda: self.client.list_objects_v2(**args))
+        cut = len(self.prefix)
+        objects = [ObjectInfo(o["Key"][cut:], o["Size"], o["ETag"],
+                              o["LastModified"].timestamp())
+                   for o in resp.get("Contents", [])]
+        prefixes = [p["Prefix"][cut:] for p in resp.get("CommonPrefixes", [])]
+        token = resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
+        return ListPage(objects, prefixes, token)
+
+    async def delete_many(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._k(k)} for k in keys[start:start + 1000]]
+            resp = await self._call("DELETE objects", lambda b=batch: self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}))
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise LakeError(f"DELETE {first.get('Key')}: {first.get('Code')} "
+                                f"{first.get('Message')}")
+
+    async def copy(self, src: str, dst: str,
+                   metadata: dict[str, str] | None = None) -> ObjectInfo:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(dst),
+                                "CopySource": {"Bucket": self.bucket, "Key": self._k(src)}}
+        if metadata is not None:
+            args["Metadata"] = metadata
+            args["MetadataDirective"] = "REPLACE"
+        await self._call(f"COPY {src} -> {dst}", lambda: self.client.copy_object(**args))
+        return await self.head(dst)
+
+    async def aclose(self) -> None:
+        self.client.close()

@@ -1,0 +1,156 @@
+"""Block fetcher: the one path by which object bytes are read.
+
+Tiers, fastest first: an in-memory LRU of recent blocks, the on-disk
+:class:`~aifs.cache.BlockCache`, then a range GET from the lake. Every fetch
+runs as a task in the service nursery, so any number of readers waiting for
+one block cause one GET, and a reader whose request is interrupted does not
+cancel the fetch others wait on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from aifs.cache.blocks import BlockCache, ObjectVersion
+from aifs.errors import LakeError, PreconditionFailed
+from aifs.lake.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Flight:
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class FetchStats:
+    memory_hits: int = 0
+    disk_hits: int = 0
+    lake_gets: int = 0
+    lake_bytes: int = 0
+    errors: int = 0
+
+
+class BlockFetcher:
+    def __init__(self, store: ObjectStore, cache: BlockCache, block_size: int,
+                 memory_bytes: int, max_prefetch: int) -> None:
+        self.store = store
+        self.cache = cache
+        self.block_size = block_size
+        self.memory_bytes = memory_bytes
+        self._memory: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._memory_used = 0
+        self._flights: dict[tuple[str, int], _Flight] = {}
+        self._prefetch_slots = trio.Semaphore(max_prefetch)
+        self._disk_limiter = trio.CapacityLimiter(8)
+        self._nursery: trio.Nursery | None = None
+        self.stats = FetchStats()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    def blocks_of(self, version: ObjectVersion) -> int:
+        return (version.size + self.block_size - 1) // self.block_size
+
+    async def block(self, version: ObjectVersion, index: int) -> bytes:
+        """Bytes of block ``index`` of ``version``."""
+        slot = (version.ident, index)
+        data = self._memory.get(slot)
+        if data is not None:
+            self._memory.move_to_end(slot)
+            self.stats.memory_hits += 1
+            return data
+        flight = self._flights.get(slot) or self._launch(version, index)
+        await flight.done.wait()
+        if flight.error is not None:
+            err = flight.error
+            if isinstance(err, LakeError):
+                raise type(err)(str(err))
+            raise LakeError(f"reading {version.key}: {err!r}")
+        if flight.data is None:
+            raise LakeError(f"reading {version.key}: fetch was cancelled")
+        return flight.data
+
+    def prefetch(self, version: ObjectVersion, first: int, last: int) -> None:
+        """Start fetching blocks [first, last] that are not at hand or on the way."""
+        last = min(last, self.blocks_of(version) - 1)
+        for index in range(first, last + 1):
+            slot = (version.ident, index)
+            if slot in self._memory or slot in self._flights:
+                continue
+            if self._prefetch_slots.value == 0:
+                return
+            self._launch(version, index, prefetch=True)
+
+    def _launch(self, version: ObjectVersion, index: int, prefetch: bool = False) -> _Flight:
+        assert self._nursery is not None, "fetcher not started"
+        flight = _Flight()
+        slot = (version.ident, index)
+        self._flights[slot] = flight
+        if prefetch:
+            self._prefetch_slots.acquire_nowait()
+        self._nursery.start_soon(self._fetch, version, index, slot, flight, prefetch)
+        return flight
+
+    async def _fetch(self, version: ObjectVersion, index: int, slot: tuple[str, int],
+                     flight: _Flight, prefetch: bool) -> None:
+        try:
+            data = await trio.to_thread.run_sync(self.cache.read, version, index,
+                                                 limiter=self._disk_limiter)
+            if data is not None:
+                self.stats.disk_hits += 1
+                self._remember(slot, data)
+                flight.data = data
+                return
+            offset = index * self.block_size
+            length = min(self.block_size, version.size - offset)
+            data = await self.store.get_range(version.key, offset, length,
+                                              if_match=version.etag or None)
+            self.stats.lake_gets += 1
+            self.stats.lake_bytes += len(data)
+            if len(data) != length:
+                raise PreconditionFailed(f"{version.key} changed in the lake "
+                                         f"(short read at {offset})")
+            self._remember(slot, data)
+            flight.data = data
+            flight.done.set()
+            del self._flights[slot]
+            await trio.to_thread.run_sync(self.cache.store, version, index, data,
+                                          limiter=self._disk_limiter)
+        except Exception as exc:  # handed to every waiter
+            self.stats.errors += 1
+            if not prefetch:
+                log.warning("fetch of %s block %d failed: %s", version.key, index, exc)
+            else:
+                log.debug("prefetch of %s block %d failed: %s", version.key, index, exc)
+            flight.error = exc
+        finally:
+            if self._flights.get(slot) is flight:
+                del self._flights[slot]
+            flight.done.set()
+            if prefetch:
+                self._prefetch_slots.release()
+
+    def _remember(self, slot: tuple[str, int], data: bytes) -> None:
+        if len(data) > self.memory_bytes:
+            return
+        old = self._memory.pop(slot, None)
+        if old is not None:
+            self._memory_used -= len(old)
+        self._memory[slot] = data
+        self._memory_used += len(data)
+        while self._memory_used > self.memory_bytes:
+            _, evicted = self._memory.popitem(last=False)
+            self._memory_used -= len(evicted)
+
+    def forget_object(self, ident: str) -> None:
+        """Drop memory blocks of an object version that is gone."""
+        for slot in [s for s in self._memory if s[0] == ident]:
+            self._memory_used -= len(self._memory.pop(slot))
