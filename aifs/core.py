@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import logging
 import os
 import stat
@@ -300,7 +301,17 @@ class Filesystem:
         if ino == ROOT_INO:
             facts[b"user.aifs.lake"] = self.config.resolved_lake().encode()
             facts[b"user.aifs.pid"] = str(os.getpid()).encode()
+            facts[b"user.aifs.stats"] = json.dumps(self.stats()).encode()
         return facts
+
+    def stats(self) -> dict[str, int]:
+        """Live counters (also the seed of ``aifs status``)."""
+        fetched = self.fetcher.stats
+        return {"lake_gets": fetched.lake_gets, "lake_bytes": fetched.lake_bytes,
+                "memory_hits": fetched.memory_hits, "disk_hits": fetched.disk_hits,
+                "fetch_errors": fetched.errors, "cache_bytes": self.cache.used,
+                "cache_capacity": self.cache.capacity, "evictions": self.cache.evictions,
+                "open_files": len(self.files)}
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         value = self.xattrs(ino).get(name)

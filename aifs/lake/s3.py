@@ -117,8 +117,12 @@ class S3Store(ObjectStore):
 
     # -- interface ------------------------------------------------------
     async def check(self) -> None:
-        await self._call(f"bucket {self.bucket}",
-                         lambda: self.client.head_bucket(Bucket=self.bucket))
+        try:
+            await self._call(f"bucket {self.bucket}",
+                             lambda: self.client.head_bucket(Bucket=self.bucket))
+        except ObjectNotFound:  # HEAD has no body: a bare 404 means no bucket
+            raise BucketNotFound(f"bucket {self.bucket!r} does not exist at "
+                                 f"{self.client.meta.endpoint_url}") from None
         # HEAD bucket answers 403 for a wrong key on some servers but 404 on
         # others; a one-key listing proves that we may read.
         await self._call(f"list s3://{self.bucket}/{self.prefix}",

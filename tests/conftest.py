@@ -1,0 +1,265 @@
+"""Fixtures: real lakes (a local directory, a moto S3 server process, a Ceph
+RADOS Gateway when the script is there) and real FUSE mounts in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import boto3
+import botocore.config
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CEPH_SCRIPT = Path(os.environ.get("AIFS_CEPH_RGW_SCRIPT",
+                                  REPO.parent / "shared" / "tools" / "ceph-rgw.sh"))
+LAKE_KINDS = ["local", "moto", "ceph"]
+S3_KINDS = ["moto", "ceph"]
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str,
+             interval: float = 0.05) -> object:
+    """Poll ``condition`` until it returns a true value, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class S3Server:
+    def __init__(self, kind: str, endpoint: str, access_key: str, secret_key: str) -> None:
+        self.kind = kind
+        self.endpoint = endpoint
+        self.env = {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
+                    "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+                    "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
+        self.client = boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key, region_name="us-east-1",
+            config=botocore.config.Config(
+                s3={"addressing_style": "path"}, max_pool_connections=32,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required"))
+
+
+def _http_up(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory) -> Iterator[S3Server]:
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                             "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: _http_up(port) or proc.poll() is not None, 30, "moto server")
+        assert proc.poll() is None, "moto server exited at start"
+        yield S3Server("moto", f"http://127.0.0.1:{port}", "testing", "testing")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def ceph_server(tmp_path_factory) -> Iterator[S3Server]:
+    if not CEPH_SCRIPT.is_file():
+        pytest.skip(f"Ceph RGW tier skipped: {CEPH_SCRIPT} not found "
+                    "(set AIFS_CEPH_RGW_SCRIPT to its path)")
+    if os.environ.get("AIFS_SKIP_CEPH") == "1":
+        pytest.skip("Ceph RGW tier skipped: AIFS_SKIP_CEPH=1")
+    directory = Path(os.environ.get("AIFS_CEPH_DIR") or tmp_path_factory.mktemp("ceph"))
+    port = free_port()
+    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(free_port()),
+               CEPH_RGW_STORE_GB="20")
+    result = subprocess.run(["bash", str(CEPH_SCRIPT), "start", str(directory)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
+    try:
+        yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+    finally:
+        subprocess.run(["bash", str(CEPH_SCRIPT), "stop", str(directory)], env=env,
+                       capture_output=True, timeout=120)
+
+
+class Lake:
+    """A fresh, empty lake of one kind, with direct (non-aifs) access to it."""
+
+    def __init__(self, kind: str, url: str, env: dict[str, str], args: list[str],
+                 server: S3Server | None = None, root: Path | None = None,
+                 bucket: str = "", prefix: str = "") -> None:
+        self.kind = kind
+        self.url = url
+        self.env = env
+        self.args = args
+        self.server = server
+        self.root = root
+        self.bucket = bucket
+        self.prefix = prefix
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.server:
+            self.server.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+            return
+        assert self.root is not None
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".put-{uuid.uuid4().hex}"
+        tmp.write_bytes(data)
+        os.rename(tmp, path)  # atomic, like an object PUT
+
+    def put_many(self, items: dict[str, bytes], threads: int = 16) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda kv: self.put(*kv), items.items()))
+
+    def mkdir_marker(self, key: str) -> None:
+        if self.server:
+            self.put(key.rstrip("/") + "/", b"")
+        else:
+            assert self.root is not None
+            (self.root / key).mkdir(parents=True, exist_ok=True)
+
+    def get(self, key: str) -> bytes:
+        if self.server:
+            return self.server.client.get_object(
+                Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+        assert self.root is not None
+        return (self.root / key).read_bytes()
+
+
+def _make_lake(kind: str, request, tmp_path: Path) -> Lake:
+    if kind == "local":
+        root = tmp_path / "lake"
+        root.mkdir()
+        return Lake("local", f"file://{root}", {}, [], root=root)
+    server: S3Server = request.getfixturevalue(f"{kind}_server")
+    bucket = f"aifs-test-{uuid.uuid4().hex[:12]}"
+    server.client.create_bucket(Bucket=bucket)
+    return Lake(kind, f"s3://{bucket}/data", server.env,
+                ["--endpoint-url", server.endpoint], server=server, bucket=bucket,
+                prefix="data/")
+
+
+@pytest.fixture(params=LAKE_KINDS)
+def lake(request, tmp_path) -> Lake:
+    return _make_lake(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=S3_KINDS)
+def s3_lake(request, tmp_path) -> Lake:
+    return _make_lake(request.param, request, tmp_path)
+
+
+class Mount:
+    """``aifs mount --foreground`` in a subprocess (pyfuse3 allows one mount per
+    process); unmounted with ``aifs umount`` on close."""
+
+    def __init__(self, lake: Lake, mountpoint: Path, cache_dir: Path, log: Path,
+                 extra: list[str]) -> None:
+        self.lake = lake
+        self.path = mountpoint
+        self.cache_dir = cache_dir
+        self.log = log
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, **lake.env)
+        self.env = env
+        with open(log, "ab") as fp:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "aifs", "mount", lake.url, str(mountpoint),
+                 "--foreground", "--cache-dir", str(cache_dir), "--log-level", "debug",
+                 *lake.args, *extra], env=env, stdout=fp, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
+                     60, f"mount on {mountpoint}")
+        except AssertionError:
+            self.kill()
+            raise
+        if self.proc.poll() is not None:
+            raise AssertionError(f"aifs mount exited with {self.proc.returncode}:\n"
+                                 f"{log.read_text()[-3000:]}")
+
+    def unmount(self) -> None:
+        if self.proc.poll() is None or os.path.ismount(self.path):
+            result = subprocess.run([sys.executable, "-m", "aifs", "umount", str(self.path)],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode != 0 and os.path.ismount(self.path):
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("aifs daemon did not exit after unmount") from None
+        assert not os.path.ismount(self.path)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False,
+                       capture_output=True)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def mounter(tmp_path) -> Iterator[Callable[..., Mount]]:
+    """Mount a lake: ``mounter(lake, *extra_args, name="m")``; all unmounted at the end."""
+    mounts: list[Mount] = []
+
+    def make(lake: Lake, *extra: str, name: str = "m", cache: str | None = None) -> Mount:
+        mount = Mount(lake, tmp_path / f"mnt-{name}", tmp_path / f"cache-{cache or name}",
+                      tmp_path / f"{name}.log", list(extra))
+        mounts.append(mount)
+        return mount
+
+    yield make
+    for mount in mounts:
+        if mount.proc.poll() is None or os.path.ismount(mount.path):
+            mount.unmount()
+
+
+@pytest.fixture
+def aifs_cli() -> Callable[..., subprocess.CompletedProcess]:
+    def run(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "aifs", *args], capture_output=True,
+                              text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+    return run
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Safety net: report (and release) any test mount left behind."""
+    with open("/proc/mounts") as fp:
+        leftovers = [line.split()[1] for line in fp
+                     if line.split()[2] == "fuse.aifs" and "pytest-" in line]
+    for path in leftovers:
+        print(f"\nLEFTOVER MOUNT {path}: a test did not unmount it", file=sys.stderr)
+        subprocess.run(["fusermount3", "-u", "-z", path], check=False)

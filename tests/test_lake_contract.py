@@ -1,0 +1,145 @@
+"""One contract for every ObjectStore: the local directory, moto and Ceph RGW."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from aifs.config import Config
+from aifs.errors import AccessDenied, BucketNotFound, LakeUnavailable, ObjectNotFound, \
+    PreconditionFailed
+from aifs.lake import open_store
+from aifs.lake.base import ObjectStore
+
+
+@pytest.fixture
+def store(lake, monkeypatch) -> ObjectStore:
+    for name, value in lake.env.items():
+        monkeypatch.setenv(name, value)
+    endpoint = lake.server.endpoint if lake.server else ""
+    return open_store(Config(lake=lake.url, endpoint_url=endpoint, retries=2))
+
+
+async def test_put_head_get(store, lake):
+    await store.check()
+    info = await store.put("a/b.bin", b"0123456789", {"mode": "33188"})
+    head = await store.head("a/b.bin")
+    assert head.size == 10 and head.etag == info.etag
+    assert head.metadata.get("mode") == "33188"
+    assert await store.get_range("a/b.bin", 0, 10) == b"0123456789"
+    assert await store.get_range("a/b.bin", 3, 4) == b"3456"
+    assert await store.get_range("a/b.bin", 8, 100) == b"89"
+    assert await store.get_range("a/b.bin", 10, 5) == b""
+    assert lake.get("a/b.bin") == b"0123456789"
+
+
+async def test_missing_object(store):
+    with pytest.raises(ObjectNotFound):
+        await store.head("nope")
+    with pytest.raises(ObjectNotFound):
+        await store.get_range("nope", 0, 1)
+
+
+async def test_if_match_refuses_a_changed_object(store):
+    first = await store.put("obj", b"version one")
+    assert await store.get_range("obj", 0, 7, if_match=first.etag) == b"version"
+    second = await store.put("obj", b"version two")
+    assert second.etag != first.etag
+    with pytest.raises(PreconditionFailed):
+        await store.get_range("obj", 0, 7, if_match=first.etag)
+
+
+async def test_listing_with_delimiter_and_pages(store):
+    keys = [f"dir/f{i:04d}" for i in range(1203)] + ["dir/sub/x", "dir/sub2/y", "top"]
+    async with trio.open_nursery() as nursery:
+        limit = trio.Semaphore(16)
+
+        async def put(key: str) -> None:
+            async with limit:
+                await store.put(key, b"x")
+        for key in keys:
+            nursery.start_soon(put, key)
+    objects, prefixes = [], []
+    async for page in store.iter_list("dir/", "/"):
+        objects += [o.key for o in page.objects]
+        prefixes += page.prefixes
+    assert objects == sorted(k for k in keys if k.count("/") == 1 and k.startswith("dir/"))
+    assert prefixes == ["dir/sub/", "dir/sub2/"]
+    page = await store.list_page("dir/", "/", max_keys=10)
+    assert len(page.objects) + len(page.prefixes) == 10 and page.next_token
+    root = await store.list_page("", "/")
+    assert [o.key for o in root.objects] == ["top"] and root.prefixes == ["dir/"]
+    flat = []
+    async for page in store.iter_list("dir/sub", None):
+        flat += [o.key for o in page.objects]
+    assert flat == ["dir/sub/x", "dir/sub2/y"]
+
+
+async def test_multipart(store):
+    part = os.urandom(5 * 1024 * 1024)
+    upload = await store.create_multipart("mp/big", {"mode": "33152"})
+    etags = [(2, await store.upload_part("mp/big", upload, 2, b"tail")),
+             (1, await store.upload_part("mp/big", upload, 1, part))]
+    with pytest.raises(ObjectNotFound):
+        await store.head("mp/big")  # nothing visible before completion
+    info = await store.complete_multipart("mp/big", upload, etags)
+    assert info.size == len(part) + 4
+    assert await store.get_range("mp/big", len(part) - 2, 6) == part[-2:] + b"tail"
+    assert (await store.head("mp/big")).metadata.get("mode") == "33152"
+    aborted = await store.create_multipart("mp/gone")
+    await store.upload_part("mp/gone", aborted, 1, b"x")
+    await store.abort_multipart("mp/gone", aborted)
+    with pytest.raises(ObjectNotFound):
+        await store.head("mp/gone")
+
+
+async def test_delete_many_and_copy(store):
+    await store.put("c/one", b"1", {"uid": "7"})
+    copied = await store.copy("c/one", "c/two")
+    assert copied.size == 1 and (await store.head("c/two")).metadata.get("uid") == "7"
+    await store.copy("c/one", "c/three", {"uid": "8"})
+    assert (await store.head("c/three")).metadata.get("uid") == "8"
+    await store.delete_many(["c/one", "c/two", "c/missing"])
+    with pytest.raises(ObjectNotFound):
+        await store.head("c/one")
+    assert await store.get_range("c/three", 0, 1) == b"1"
+
+
+async def test_directory_marker(store):
+    await store.put("empty/", b"")
+    page = await store.list_page("", "/")
+    assert "empty/" in page.prefixes
+
+
+async def test_missing_bucket(lake, monkeypatch):
+    for name, value in lake.env.items():
+        monkeypatch.setenv(name, value)
+    if lake.server:
+        url = f"s3://no-such-bucket-{os.getpid()}/x"
+        store = open_store(Config(lake=url, endpoint_url=lake.server.endpoint, retries=1))
+    else:
+        store = open_store(Config(lake=f"file://{lake.root}/missing"))
+    with pytest.raises(BucketNotFound):
+        await store.check()
+
+
+async def test_unreachable_endpoint_is_transient_and_clear(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    store = open_store(Config(lake="s3://bucket", endpoint_url="http://127.0.0.1:9",
+                              retries=2, request_timeout=2))
+    with pytest.raises(LakeUnavailable, match="cannot reach http://127.0.0.1:9"):
+        await store.check()
+
+
+async def test_bad_credentials(s3_lake, monkeypatch):
+    if s3_lake.kind == "moto":
+        pytest.skip("moto accepts any credentials; checked against Ceph RGW")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    store = open_store(Config(lake=s3_lake.url, endpoint_url=s3_lake.server.endpoint,
+                              retries=1))
+    with pytest.raises(AccessDenied):
+        await store.check()

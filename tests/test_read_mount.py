@@ -1,0 +1,185 @@
+"""The read path through a real FUSE mount, on every lake kind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import stat
+import time
+
+import pytest
+import xxhash
+from conftest import wait_for
+
+MiB = 1 << 20
+BLOCK = MiB  # tests mount with --block-size 1M so block edges are cheap to reach
+
+
+def test_tree_with_implicit_directories(lake, mounter):
+    files = {
+        "top.txt": b"top",
+        "a/one.bin": b"1" * 10,
+        "a/b/c/deep.bin": b"deep",
+        "a/b/two.bin": b"22",
+        "x/y/z.bin": b"",
+    }
+    lake.put_many(files)
+    lake.mkdir_marker("empty-dir")
+    mount = mounter(lake, "--block-size", "1M")
+    seen_files, seen_dirs = {}, set()
+    for dirpath, dirnames, filenames in os.walk(mount.path):
+        rel = os.path.relpath(dirpath, mount.path)
+        for d in dirnames:
+            seen_dirs.add(os.path.normpath(os.path.join(rel, d)))
+        for f in filenames:
+            path = os.path.join(dirpath, f)
+            seen_files[os.path.normpath(os.path.join(rel, f))] = open(path, "rb").read()
+    assert seen_files == files
+    assert seen_dirs == {"a", "a/b", "a/b/c", "x", "x/y", "empty-dir"}
+    st = os.stat(mount.path / "a" / "one.bin")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 10
+    assert stat.S_ISDIR(os.stat(mount.path / "a" / "b").st_mode)
+    with pytest.raises(FileNotFoundError):
+        os.stat(mount.path / "a" / "missing")
+    with pytest.raises(NotADirectoryError):
+        os.listdir(mount.path / "top.txt")
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17])
+def test_bytes_exact_at_block_edges(lake, mounter, size):
+    data = random.Random(size).randbytes(size)
+    lake.put("f.bin", data)
+    mount = mounter(lake, "--block-size", "1M")
+    path = mount.path / "f.bin"
+    assert os.stat(path).st_size == size
+    assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == xxhash.xxh3_128_hexdigest(data)
+    rng = random.Random(1)
+    offsets = {0, max(size - 1, 0), BLOCK - 1, BLOCK, BLOCK + 1, size, size + 10}
+    offsets |= {rng.randrange(size + 1) for _ in range(20)}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in sorted(offsets):
+            for length in (1, 3, 4097, BLOCK + 5):
+                assert os.pread(fd, length, offset) == data[offset:offset + length], \
+                    (offset, length)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_large_file_300mib(lake, mounter):
+    size = 300 * MiB
+    data = os.urandom(size)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    if lake.server:
+        import io
+        lake.server.client.upload_fileobj(io.BytesIO(data), lake.bucket, lake.prefix + "big")
+    else:
+        lake.put("big", data)
+    mount = mounter(lake)
+    hasher = xxhash.xxh3_128()
+    with open(mount.path / "big", "rb") as fp:
+        while chunk := fp.read(4 * MiB):
+            hasher.update(chunk)
+        for offset in (8 * MiB - 3, 150 * MiB + 1, size - 5):
+            fp.seek(offset)
+            assert fp.read(10) == data[offset:offset + 10]
+    assert hasher.hexdigest() == digest
+    cached = int(os.getxattr(mount.path / "big", "user.aifs.cached_bytes"))
+    assert cached == size
+
+
+def test_replaced_object_seen_after_ttl_never_stale(lake, mounter):
+    old = b"A" * (3 * BLOCK)
+    new = b"B" * (3 * BLOCK)
+    lake.put("f", old)
+    mount = mounter(lake, "--block-size", "1M", "--metadata-ttl", "1")
+    path = mount.path / "f"
+    assert path.read_bytes() == old  # now cached: kernel pages, memory and disk blocks
+    etag_before = os.getxattr(path, "user.aifs.etag")
+    lake.put("f", new)
+    replaced_at = time.monotonic()
+
+    def read_now() -> bytes:
+        content = path.read_bytes()
+        assert content in (old, new), "a read mixed two versions"
+        return content
+
+    wait_for(lambda: read_now() == new, 15, "the new version through the mount")
+    assert time.monotonic() - replaced_at < 15
+    assert os.getxattr(path, "user.aifs.etag") != etag_before
+    for _ in range(3):
+        assert read_now() == new
+
+
+def test_many_objects_list_completely(lake, mounter):
+    count = 100_000 if lake.kind == "local" else 5_000
+    names = [f"s{i:06d}.bin" for i in range(count)]
+    if lake.kind == "local":
+        big = lake.root / "many"
+        big.mkdir()
+        for name in names:
+            (big / name).write_bytes(b"")
+    else:
+        lake.put_many({f"many/{name}": b"" for name in names}, threads=32)
+    mount = mounter(lake)
+    listed = os.listdir(mount.path / "many")
+    assert len(listed) == count and sorted(listed) == names
+    with os.scandir(mount.path / "many") as it:
+        sizes = {entry.name: entry.stat().st_size for entry in it}
+    assert len(sizes) == count
+
+
+def test_xattrs_and_read_only(lake, mounter):
+    lake.put("d/f.bin", b"x" * 1000)
+    mount = mounter(lake)
+    path = mount.path / "d" / "f.bin"
+    assert os.getxattr(path, "user.aifs.key") == b"d/f.bin"
+    assert os.getxattr(path, "user.aifs.etag")
+    assert int(os.getxattr(path, "user.aifs.cached_bytes")) == 0
+    path.read_bytes()
+    wait_for(lambda: int(os.getxattr(path, "user.aifs.cached_bytes")) == 1000, 10,
+             "block written to the cache")
+    assert set(os.listxattr(path)) >= {"user.aifs.key", "user.aifs.etag",
+                                       "user.aifs.cached_bytes"}
+    with pytest.raises(OSError) as info:
+        os.getxattr(path, "user.nothing")
+    assert info.value.errno == errno.ENODATA
+    for attempt in (lambda: open(path, "wb"), lambda: open(mount.path / "new", "w"),
+                    lambda: os.mkdir(mount.path / "nd"), lambda: os.unlink(path),
+                    lambda: os.rename(path, mount.path / "r")):
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EROFS
+    st = os.statvfs(mount.path)
+    assert st.f_bavail > 0 and st.f_namemax == 255
+
+
+def test_cache_survives_remount(lake, mounter):
+    data = os.urandom(3 * BLOCK + 5)
+    lake.put("w.bin", data)
+    mount = mounter(lake, "--block-size", "1M", name="first", cache="shared")
+    assert (mount.path / "w.bin").read_bytes() == data
+    wait_for(lambda: int(os.getxattr(mount.path / "w.bin", "user.aifs.cached_bytes"))
+             == len(data), 10, "blocks on disk")
+    mount.unmount()
+    again = mounter(lake, "--block-size", "1M", name="second", cache="shared")
+    assert int(os.getxattr(again.path / "w.bin", "user.aifs.cached_bytes")) == len(data)
+    assert (again.path / "w.bin").read_bytes() == data
+    stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
+    assert stats["lake_gets"] == 0 and stats["disk_hits"] == 4
+
+
+def test_cache_capacity_is_respected(lake, mounter):
+    for i in range(10):
+        lake.put(f"c{i}", os.urandom(BLOCK))
+    mount = mounter(lake, "--block-size", "1M", "--cache-size", "4M", "--memory-cache", "1M")
+    for i in range(10):
+        (mount.path / f"c{i}").read_bytes()
+    blocks = mount.cache_dir / "blocks"
+
+    def on_disk() -> int:
+        return sum(f.stat().st_size for f in blocks.rglob("*") if f.is_file())
+    wait_for(lambda: 0 < on_disk() <= 4 * BLOCK, 10, "cache within its capacity")
