@@ -126,7 +126,7 @@ def _umount(args: argparse.Namespace) -> int:
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fp:
-            return fp.read().split(") ", 1)[1][0] != "Z"
+            return fp.read().rsplit(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
 

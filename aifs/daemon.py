@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 
 import trio
@@ -61,10 +62,15 @@ def check_mountpoint(mountpoint: str) -> None:
             raise ConfigError(f"{mountpoint} is a dead mount (its daemon is gone): "
                               f"run 'aifs umount {mountpoint}' first") from None
         raise ConfigError(f"mountpoint {mountpoint}: {exc.strerror}") from None
-    import stat as stat_mod
-    if not stat_mod.S_ISDIR(st.st_mode):
+    if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
+        try:
+            os.listdir(mountpoint)  # stat may come from the kernel's cache; readdir won't
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise ConfigError(f"{mountpoint} is a dead mount (its daemon is gone): "
+                                  f"run 'aifs umount {mountpoint}' first") from None
         raise ConfigError(f"mountpoint {mountpoint} is busy: something is mounted there")
     if not os.path.exists("/dev/fuse"):
         raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) "
