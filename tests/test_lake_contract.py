@@ -8,8 +8,13 @@ import pytest
 import trio
 
 from aifs.config import Config
-from aifs.errors import AccessDenied, BucketNotFound, LakeUnavailable, ObjectNotFound, \
-    PreconditionFailed
+from aifs.errors import (
+    AccessDenied,
+    BucketNotFound,
+    LakeUnavailable,
+    ObjectNotFound,
+    PreconditionFailed,
+)
 from aifs.lake import open_store
 from aifs.lake.base import ObjectStore
 

@@ -36,6 +36,7 @@ class ObjectStore(abc.ABC):
 
     async def check(self) -> None:
         """Fail with a clear LakeError if the lake cannot be used."""
+        return None
 
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectInfo: ...
@@ -93,3 +94,4 @@ class ObjectStore(abc.ABC):
 
     async def aclose(self) -> None:
         """Release resources (connection pools)."""
+        return None

@@ -18,8 +18,7 @@ from typing import TypeVar
 import trio
 import xxhash
 
-from aifs.errors import BucketNotFound, InvalidKey, LakeError, ObjectNotFound, \
-    PreconditionFailed
+from aifs.errors import BucketNotFound, InvalidKey, LakeError, ObjectNotFound, PreconditionFailed
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
 T = TypeVar("T")
@@ -197,7 +196,7 @@ class LocalStore(ObjectStore):
                         for n in os.listxattr(staging) if n.startswith(META_XATTR)}
 
             def write(fd: int) -> None:
-                for number, _etag_ in sorted(parts):
+                for number, _ in sorted(parts):
                     with open(os.path.join(staging, f"part-{number:05d}"), "rb") as src:
                         while chunk := src.read(1 << 22):
                             os.write(fd, chunk)

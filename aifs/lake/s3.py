@@ -18,8 +18,15 @@ import botocore.config
 import botocore.exceptions
 import trio
 
-from aifs.errors import AccessDenied, BucketNotFound, InvalidKey, LakeError, \
-    LakeUnavailable, ObjectNotFound, PreconditionFailed
+from aifs.errors import (
+    AccessDenied,
+    BucketNotFound,
+    InvalidKey,
+    LakeError,
+    LakeUnavailable,
+    ObjectNotFound,
+    PreconditionFailed,
+)
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 from aifs.lake.retry import RetryPolicy
 

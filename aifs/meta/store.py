@@ -182,7 +182,6 @@ class MetaStore:
                 name = entry.name.encode("utf-8", "surrogateescape")
                 value = existing.pop(name, None)
                 if value is not None:
-                    ino = _U64.unpack(value[:8])[0]
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
                     if current.kind == entry.kind:
                         if (current.size, current.etag, current.mtime, current.key) != (

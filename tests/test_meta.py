@@ -1,0 +1,63 @@
+"""LMDB metadata without a mount."""
+
+from __future__ import annotations
+
+from aifs.meta.store import DIR, FILE, ROOT_INO, Listed, MetaStore, valid_name
+
+
+def _files(*names: str, prefix: str = "") -> list[Listed]:
+    return [Listed(n, FILE, prefix + n, len(n), f"e-{n}", 1.0) for n in names]
+
+
+def test_valid_names():
+    assert valid_name("a.txt") and valid_name("x" * 255) and valid_name("ünï")
+    for bad in ("", ".", "..", "x" * 256, "a\0b", "é" * 128):
+        assert not valid_name(bad), bad
+
+
+def test_lookup_and_stable_inode_numbers(tmp_path):
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, _files("a", "b") + [Listed("d", DIR, "d/")], now=10)
+    a = meta.lookup(ROOT_INO, b"a")
+    assert a is not None and a.key == "a" and a.size == 1 and a.etag == "e-a"
+    assert meta.lookup(ROOT_INO, b"zz") is None
+    assert meta.get(ROOT_INO).listed_at == 10
+    meta.close()
+    again = MetaStore(tmp_path / "m")  # remount: same numbers
+    assert again.lookup(ROOT_INO, b"a").ino == a.ino
+    assert again.lookup(ROOT_INO, b"d").is_dir
+
+
+def test_listing_updates_and_removes(tmp_path):
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, _files("a", "b", "c"))
+    b = meta.lookup(ROOT_INO, b"b")
+    changed = [Listed("a", FILE, "a", 99, "new", 2.0), *_files("c")]
+    removed = meta.apply_listing(ROOT_INO, changed)
+    assert removed == [b.ino]
+    assert meta.get(b.ino).orphan and meta.lookup(ROOT_INO, b"b") is None
+    assert meta.lookup(ROOT_INO, b"a").etag == "new"
+    meta.delete_orphan(b.ino)
+    assert meta.get(b.ino) is None
+    # a file that became a directory gets a fresh inode
+    old = meta.lookup(ROOT_INO, b"c").ino
+    meta.apply_listing(ROOT_INO, [Listed("c", DIR, "c/")])
+    assert meta.lookup(ROOT_INO, b"c").is_dir and meta.lookup(ROOT_INO, b"c").ino != old
+    assert meta.purge_orphans() >= 1
+
+
+def test_readdir_cookies_are_stable(tmp_path):
+    meta = MetaStore(tmp_path / "m")
+    names = [f"f{i:04d}" for i in range(2500)]
+    meta.apply_listing(ROOT_INO, _files(*names))
+    first = meta.readdir(ROOT_INO, 0, 1000)
+    assert [n for _, n, _ in first] == [n.encode() for n in names[:1000]]
+    # entries vanish and appear between two readdir calls: the rest is unaffected
+    survivors = [n for n in names if n not in ("f0000", "f1500")] + ["zz-new"]
+    meta.apply_listing(ROOT_INO, _files(*survivors))
+    rest, cookie = [], first[-1][0]
+    while batch := meta.readdir(ROOT_INO, cookie, 700):
+        rest += [n.decode() for _, n, _ in batch]
+        cookie = batch[-1][0]
+    assert rest == [n for n in names[1000:] if n != "f1500"] + ["zz-new"]
+    assert meta.children_count(ROOT_INO) == len(survivors)
