@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--block-size", help="e.g. 8M")
     mount.add_argument("--memory-cache", help="e.g. 256M")
     mount.add_argument("--readahead-max", help="e.g. 128M")
+    mount.add_argument("--kernel-readahead", help="e.g. 16M")
     mount.add_argument("--metadata-ttl", type=float, help="seconds")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--region")
@@ -58,6 +59,7 @@ def _mount(args: argparse.Namespace) -> int:
     lake = args.targets[0] if len(args.targets) == 2 else None
     overrides = {name: getattr(args, name) for name in (
         "cache_dir", "cache_size", "block_size", "memory_cache", "readahead_max",
+        "kernel_readahead",
         "metadata_ttl", "endpoint_url", "region", "profile", "path_style",
         "max_connections", "request_timeout", "retries", "allow_other", "log_level",
         "log_file", "foreground", "fuse_options")}

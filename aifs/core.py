@@ -252,7 +252,7 @@ class Filesystem:
             raise FsError(errno.EBADF)
         return handle
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self._file(fh)
         version = handle.version
         end = min(offset + size, version.size)
@@ -263,15 +263,14 @@ class Filesystem:
         ahead = handle.readahead.observe(offset, end - offset)
         if ahead:
             self.fetcher.prefetch(version, last, (end - 1 + ahead) // bs)
-        if first == last:
-            block = await self.fetcher.block(version, first)
-            return block[offset - first * bs:end - first * bs]
+        if first == last:  # the common case: a view, no copy
+            return await self.fetcher.read(version, first, offset - first * bs,
+                                           end - first * bs)
         pieces = []
         for index in range(first, last + 1):
-            block = await self.fetcher.block(version, index)
             lo = max(offset, index * bs) - index * bs
             hi = min(end, (index + 1) * bs) - index * bs
-            pieces.append(block[lo:hi])
+            pieces.append(await self.fetcher.read(version, index, lo, hi))
         return b"".join(pieces)
 
     def release(self, fh: int) -> None:

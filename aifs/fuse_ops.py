@@ -127,7 +127,7 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     @_replies
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         return await self.fs.read(fh, off, size)
 
     @_replies

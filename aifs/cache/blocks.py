@@ -81,6 +81,15 @@ class BlockCache:
         ident = version.ident
         return f"{ident[:2]}/{ident}/{index}"
 
+    def locate(self, version: ObjectVersion, index: int) -> Path | None:
+        """The block's file if it is cached (counts as a use); cheap, no I/O."""
+        rel = self._rel(version, index)
+        with self._lock:
+            if rel not in self._lru:
+                return None
+            self._lru.move_to_end(rel)
+        return self.root / rel
+
     def read(self, version: ObjectVersion, index: int) -> bytes | None:
         rel = self._rel(version, index)
         with self._lock:

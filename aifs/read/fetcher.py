@@ -1,7 +1,9 @@
 """Block fetcher: the one path by which object bytes are read.
 
-Tiers, fastest first: an in-memory LRU of recent blocks, the on-disk
-:class:`~aifs.cache.BlockCache`, then a range GET from the lake. Every fetch
+Tiers, fastest first: an in-memory LRU of blocks recently fetched from the
+lake, the on-disk :class:`~aifs.cache.BlockCache` (read in place, request by
+request, with the kernel reading ahead into its page cache), then a range GET
+from the lake. Every fetch
 runs as a task in the service nursery, so any number of readers waiting for
 one block cause one GET, and a reader whose request is interrupted does not
 cancel the fetch others wait on.
@@ -10,6 +12,7 @@ cancel the fetch others wait on.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -51,6 +54,9 @@ class BlockFetcher:
         self._prefetch_slots = trio.Semaphore(max_prefetch)
         self._disk_limiter = trio.CapacityLimiter(8)
         self._nursery: trio.Nursery | None = None
+        self._fds: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._advised: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.max_open_blocks = 64
         self.stats = FetchStats()
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -59,8 +65,61 @@ class BlockFetcher:
     def blocks_of(self, version: ObjectVersion) -> int:
         return (version.size + self.block_size - 1) // self.block_size
 
+    async def read(self, version: ObjectVersion, index: int, lo: int,
+                   hi: int) -> bytes | memoryview:
+        """Bytes [lo, hi) of block ``index``: from memory, the disk cache, or the lake."""
+        slot = (version.ident, index)
+        data = self._memory.get(slot)
+        if data is not None:
+            self._memory.move_to_end(slot)
+            self.stats.memory_hits += 1
+            return memoryview(data)[lo:hi]
+        if slot not in self._flights:
+            fd = self._block_fd(version, index, slot)
+            if fd is not None:
+                self.stats.disk_hits += 1
+                return await self._read_file(fd, lo, hi - lo)
+        return memoryview(await self.block(version, index))[lo:hi]
+
+    def _block_fd(self, version: ObjectVersion, index: int,
+                  slot: tuple[str, int]) -> int | None:
+        """An open descriptor of the cached block file, or None if not cached.
+
+        A block file never changes (its name includes the ETag), so an open
+        descriptor stays right even if eviction unlinks the file meanwhile.
+        """
+        fd = self._fds.get(slot)
+        if fd is not None:
+            self._fds.move_to_end(slot)
+            return fd
+        path = self.cache.locate(version, index)
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        self._fds[slot] = fd
+        while len(self._fds) > self.max_open_blocks:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    async def _read_file(self, fd: int, offset: int, length: int) -> bytes | memoryview:
+        """Read from a cached block: inline when the page cache has it, else in a thread."""
+        buf = bytearray(length)
+        try:
+            got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+        except BlockingIOError:
+            got = 0
+        if got < length:
+            view = memoryview(buf)[got:]
+            rest = await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
+                                                 limiter=self._disk_limiter)
+            got += rest
+        return memoryview(buf)[:got]
+
     async def block(self, version: ObjectVersion, index: int) -> bytes:
-        """Bytes of block ``index`` of ``version``."""
+        """The whole block ``index`` of ``version``."""
         slot = (version.ident, index)
         data = self._memory.get(slot)
         if data is not None:
@@ -83,7 +142,15 @@ class BlockFetcher:
         last = min(last, self.blocks_of(version) - 1)
         for index in range(first, last + 1):
             slot = (version.ident, index)
-            if slot in self._memory or slot in self._flights:
+            if slot in self._memory or slot in self._flights or slot in self._advised:
+                continue
+            fd = self._block_fd(version, index, slot)
+            if fd is not None:
+                # On the local disk: let the kernel read it ahead into the page cache.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                self._advised[slot] = None
+                if len(self._advised) > 4 * self.max_open_blocks:
+                    self._advised.popitem(last=False)
                 continue
             if self._prefetch_slots.value == 0:
                 return
@@ -102,13 +169,6 @@ class BlockFetcher:
     async def _fetch(self, version: ObjectVersion, index: int, slot: tuple[str, int],
                      flight: _Flight, prefetch: bool) -> None:
         try:
-            data = await trio.to_thread.run_sync(self.cache.read, version, index,
-                                                 limiter=self._disk_limiter)
-            if data is not None:
-                self.stats.disk_hits += 1
-                self._remember(slot, data)
-                flight.data = data
-                return
             offset = index * self.block_size
             length = min(self.block_size, version.size - offset)
             data = await self.store.get_range(version.key, offset, length,
