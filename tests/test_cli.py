@@ -124,3 +124,10 @@ def test_killed_daemon_leaves_a_mount_that_umount_clears(lake, tmp_path, aifs_cl
     assert aifs_cli("mount", lake.url, str(mountpoint), "--cache-dir",
                     str(tmp_path / "cache"), *lake.args, env=lake.env).returncode == 0
     assert aifs_cli("umount", str(mountpoint)).returncode == 0
+
+
+def test_sigterm_unmounts_cleanly(lake, mounter):
+    mount = mounter(lake)
+    os.kill(mount.proc.pid, 15)
+    assert mount.proc.wait(30) == 0
+    assert not os.path.ismount(mount.path)

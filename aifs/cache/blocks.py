@@ -12,6 +12,7 @@ All methods are blocking disk I/O: call them from a worker thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ class ObjectVersion:
     etag: str
     size: int
 
-    @property
+    @functools.cached_property
     def ident(self) -> str:
         return xxhash.xxh3_128_hexdigest(f"{self.key}\0{self.etag}".encode(
             "utf-8", "surrogateescape"))

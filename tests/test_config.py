@@ -1,0 +1,48 @@
+"""Configuration: sources, precedence, and the README reference."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from aifs.config import load_config, option_fields, parse_size
+from aifs.errors import ConfigError
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_sizes():
+    assert parse_size("8M") == 8 << 20 and parse_size("2GiB") == 2 << 30
+    assert parse_size("512") == 512 and parse_size("1.5k") == 1536
+    with pytest.raises(ConfigError):
+        parse_size("lots")
+
+
+def test_precedence(tmp_path):
+    toml = tmp_path / "a.toml"
+    toml.write_text('cache-size = "1G"\nmetadata_ttl = 5\nblock_size = "4M"\n')
+    cfg = load_config(str(toml), {"metadata_ttl": 7.0},
+                      environ={"AIFS_BLOCK_SIZE": "2M", "AIFS_CACHE_SIZE": "2G"})
+    assert cfg.cache_size == 2 << 30  # env beats the file
+    assert cfg.block_size == 2 << 20
+    assert cfg.metadata_ttl == 7.0  # the command line beats both
+
+
+def test_unknown_or_bad_options(tmp_path):
+    toml = tmp_path / "b.toml"
+    toml.write_text("no_such_option = 1\n")
+    with pytest.raises(ConfigError, match="unknown option"):
+        load_config(str(toml), {}, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.toml"), {}, environ={})
+    with pytest.raises(ConfigError):
+        load_config(None, {"retries": 0}, environ={})
+
+
+def test_readme_lists_every_option():
+    text = README.read_text()
+    table = text.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.M))
+    assert documented == {f.name for f in option_fields()}
