@@ -91,19 +91,6 @@ class BlockCache:
             self._lru.move_to_end(rel)
         return self.root / rel
 
-    def read(self, version: ObjectVersion, index: int) -> bytes | None:
-        rel = self._rel(version, index)
-        with self._lock:
-            if rel not in self._lru:
-                return None
-            self._lru.move_to_end(rel)
-        try:
-            with open(self.root / rel, "rb") as fp:
-                return fp.read()
-        except FileNotFoundError:
-            self._forget(rel)
-            return None
-
     def store(self, version: ObjectVersion, index: int, data: bytes) -> None:
         rel = self._rel(version, index)
         path = self.root / rel
