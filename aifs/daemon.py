@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 from pathlib import Path
 
 import trio
@@ -116,6 +117,9 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
             os.write(ready_fd, message.encode() + b"\n")
             os.close(ready_fd)
 
+    # The trio thread answers FUSE requests while lake threads stream bodies;
+    # a short GIL switch interval keeps request latency low under that load.
+    sys.setswitchinterval(0.0005)
     try:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)
