@@ -117,7 +117,7 @@ def _umount(args: argparse.Namespace) -> int:
         raise AifsError(f"cannot unmount {mountpoint}: {message or 'fusermount3 failed'}")
     if pid is not None:
         deadline = time.monotonic() + args.timeout
-        while _alive(pid):
+        while process_alive(pid):
             if time.monotonic() > deadline:
                 raise AifsError(f"unmounted, but daemon {pid} is still running after "
                                 f"{args.timeout:.0f}s")
@@ -125,7 +125,8 @@ def _umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie awaiting its reaper counts as gone."""
     try:
         with open(f"/proc/{pid}/stat") as fp:
             return fp.read().rsplit(") ", 1)[1][0] != "Z"

@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -18,6 +19,7 @@ import trio
 from aifs.cache.blocks import BlockCache
 from aifs.config import Config
 from aifs.errors import AifsError, ConfigError
+from aifs.lake.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +136,13 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
         return 1
 
 
-async def _serve(config: Config, store: object, cache_dir: Path,
-                 report: object, lock: CacheLock) -> int:
+async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
+                 report: Callable[[str], None], lock: CacheLock) -> int:
     import pyfuse3
 
     from aifs.core import Filesystem
     from aifs.fuse_ops import Operations
-    from aifs.lake.base import ObjectStore
     from aifs.meta.store import MetaStore
-    assert isinstance(store, ObjectStore)
     await store.check()
     meta = MetaStore(cache_dir / "meta")
     purged = meta.purge_orphans()
@@ -196,13 +196,13 @@ def tune_kernel(mountpoint: str, readahead: int, max_background: int) -> None:
             log.debug("cannot set %s: %s", path, exc.strerror)
 
 
-async def _announce_ready(mountpoint: str, report: object, config: Config) -> None:
+async def _announce_ready(mountpoint: str, report: Callable[[str], None],
+                          config: Config) -> None:
     """READY only once the mount answers a request, not merely exists."""
     await trio.to_thread.run_sync(os.stat, mountpoint)
     if config.kernel_readahead:
         tune_kernel(mountpoint, config.kernel_readahead, max(12, config.max_connections * 2))
     sd_notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
-    assert callable(report)
     report("OK")
 
 

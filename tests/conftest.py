@@ -16,6 +16,8 @@ import boto3
 import botocore.config
 import pytest
 
+from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
+
 REPO = Path(__file__).resolve().parent.parent
 CEPH_SCRIPT = Path(os.environ.get("AIFS_CEPH_RGW_SCRIPT",
                                   REPO.parent / "shared" / "tools" / "ceph-rgw.sh"))
@@ -34,15 +36,6 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fp:
-            return fp.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def free_port() -> int:
