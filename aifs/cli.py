@@ -38,15 +38,31 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--max-connections", type=int)
     mount.add_argument("--request-timeout", type=float)
     mount.add_argument("--retries", type=int)
+    mount.add_argument("--promote-delay", type=float, help="seconds")
+    mount.add_argument("--promote-workers", type=int)
+    mount.add_argument("--multipart-threshold", help="e.g. 16M")
+    mount.add_argument("--part-size", help="e.g. 8M")
+    mount.add_argument("--parts-in-flight", type=int)
+    mount.add_argument("--fsync", choices=["local", "lake"])
+    mount.add_argument("--object-attrs", choices=["true", "false"])
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--log-level")
     mount.add_argument("--log-file")
     mount.add_argument("-o", dest="fuse_options", action="append", default=None,
                        help="FUSE mount options")
 
-    umount = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    umount = sub.add_parser("umount", help="promote pending changes, unmount and wait for "
+                            "the daemon to exit")
     umount.add_argument("mountpoint")
-    umount.add_argument("--timeout", type=float, default=120.0)
+    umount.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds to wait for the daemon to exit after unmounting")
+    umount.add_argument("--no-flush", action="store_true",
+                        help="do not wait for promotion: pending changes stay in the cache "
+                        "directory and the next mount promotes them")
+
+    sync = sub.add_parser("sync", help="wait until every change under PATH is in the lake")
+    sync.add_argument("path", nargs="?", default=".")
+    sync.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     return parser
 
 
@@ -61,7 +77,9 @@ def _mount(args: argparse.Namespace) -> int:
         "cache_dir", "cache_size", "block_size", "memory_cache", "readahead_max",
         "kernel_readahead",
         "metadata_ttl", "endpoint_url", "region", "profile", "path_style",
-        "max_connections", "request_timeout", "retries", "allow_other", "log_level",
+        "max_connections", "request_timeout", "retries", "promote_delay",
+        "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
+        "object_attrs", "allow_other", "log_level",
         "log_file", "foreground", "fuse_options")}
     overrides["lake"] = lake
     overrides["mountpoint"] = os.path.abspath(args.targets[-1])
@@ -103,6 +121,64 @@ def _mount(args: argparse.Namespace) -> int:
     raise AifsError(f"the mount daemon exited before serving; see {log_file}")
 
 
+def _mount_root(path: str) -> str:
+    """The root of the aifs mount holding ``path``."""
+    root = os.path.abspath(path)
+    if not os.path.exists(root):
+        raise AifsError(f"{path}: no such file or directory")
+    while not os.path.ismount(root):
+        root = os.path.dirname(root)
+    try:
+        os.getxattr(root, "user.aifs.pid")
+    except OSError:
+        raise AifsError(f"{path} is not in an aifs mount") from None
+    return root
+
+
+def _progress_line(pending: dict[str, int]) -> str:
+    return (f"aifs sync: {pending.get('files', 0)} files "
+            f"({pending.get('bytes', 0) / 2**20:.1f} MiB), "
+            f"{pending.get('deletes', 0)} deletes to go")
+
+
+def _sync(path: str, quiet: bool = False) -> None:
+    """Block until everything under ``path`` is in the lake, showing progress."""
+    import json
+    import threading
+
+    root = _mount_root(path)
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            os.getxattr(path, "user.aifs.sync")
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    shown = ""
+    next_show = time.monotonic() + 1.0
+    while worker.is_alive():
+        worker.join(0.2)
+        if quiet or not worker.is_alive() or time.monotonic() < next_show:
+            continue
+        try:
+            line = _progress_line(json.loads(os.getxattr(root, "user.aifs.pending")))
+        except (OSError, ValueError):
+            continue
+        if line != shown:
+            print(line, file=sys.stderr, flush=True)
+            shown = line
+        next_show = time.monotonic() + 1.0
+    error = outcome[0] if outcome else None
+    if error is not None:
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise AifsError(f"sync of {path} failed: {reason} (the lake refused or could not be "
+                        "reached; see the mount's log); the changes stay in the local cache")
+
+
 def _umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     pid = None
@@ -110,6 +186,11 @@ def _umount(args: argparse.Namespace) -> int:
         pid = int(os.getxattr(mountpoint, "user.aifs.pid"))
     except (OSError, ValueError):
         pass
+    if pid is not None:
+        if args.no_flush:
+            os.setxattr(mountpoint, "user.aifs.unmount_flush", b"0")
+        else:
+            _sync(mountpoint)
     result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True,
                             text=True)
     if result.returncode != 0:
@@ -141,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             return _mount(args)
         if args.command == "umount":
             return _umount(args)
+        if args.command == "sync":
+            _sync(args.path, args.quiet)
+            return 0
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1

@@ -72,6 +72,21 @@ class Config:
     request_timeout: float = _option(30.0, "Seconds before a lake request is abandoned and "
                                      "retried.", "float")
     retries: int = _option(5, "Attempts for a lake request that fails transiently.", "int")
+    promote_delay: float = _option(2.0, "Seconds after its last change (and close) before a "
+                                   "file is promoted to the lake, so quick rewrites "
+                                   "coalesce.", "float")
+    promote_workers: int = _option(4, "Files promoted to the lake at once.", "int")
+    multipart_threshold: int = _option(parse_size("16M"), "Files of at least this size are "
+                                       "uploaded in parts (multipart).", "size")
+    part_size: int = _option(parse_size("8M"), "Size of the first parts of a multipart "
+                             "upload (at least 5M); parts double every 1000 so any object "
+                             "fits in 10,000.", "size")
+    parts_in_flight: int = _option(8, "Parts of one file uploaded at once.", "int")
+    fsync: str = _option("local", "What fsync waits for: 'local' (the data is durable on "
+                         "the local disk) or 'lake' (the file is in the lake).")
+    object_attrs: bool = _option(True, "Read POSIX attributes (mode, owner, mtime, xattrs, "
+                                 "symlinks) from object metadata with one HEAD per object "
+                                 "on its first lookup; false trusts listings alone.", "bool")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
     log_level: str = _option("info", "Logging level: debug, info, warning, error.")
@@ -107,6 +122,15 @@ class Config:
             raise ConfigError("metadata_ttl must not be negative")
         if self.max_connections < 1 or self.retries < 1:
             raise ConfigError("max_connections and retries must be at least 1")
+        if self.part_size < 5 << 20 or self.part_size > 5 << 30:
+            raise ConfigError("part_size must be between 5M and 5G")
+        if self.multipart_threshold < self.part_size:
+            raise ConfigError("multipart_threshold must be at least part_size")
+        if self.promote_delay < 0 or self.promote_workers < 1 or self.parts_in_flight < 1:
+            raise ConfigError("promote_delay must not be negative; promote_workers and "
+                              "parts_in_flight must be at least 1")
+        if self.fsync not in ("local", "lake"):
+            raise ConfigError(f"fsync must be 'local' or 'lake', not {self.fsync!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
 

@@ -1,12 +1,20 @@
-"""POSIX semantics over the lake: lookups, lookup counts, handles, reads.
+"""POSIX semantics over the lake: lookups, lookup counts, handles, reads and
+writes, the namespace (create, mkdir, unlink, rename, symlink), xattrs.
 
 No pyfuse3 here, so tests drive this class without a mount. Errors leave as
 :class:`~aifs.errors.FsError` (an errno) or :class:`~aifs.errors.LakeError`;
 ``fuse_ops`` turns both into FUSE replies.
+
+Writes land in a whole local copy of the file (:class:`~aifs.cache.files.LocalFiles`)
+and return at local-disk speed; :class:`~aifs.flush.promoter.Promoter` takes
+them to the lake after close. Size and mtime of a file being written are kept
+in memory (``_written``) and stored at flush, fsync and release, so a write
+costs no metadata transaction.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import itertools
 import json
@@ -20,11 +28,27 @@ from dataclasses import dataclass
 import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
+from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.errors import FsError
+from aifs.errors import FsError, LakeError, ObjectNotFound
+from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
-from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
-from aifs.read.fetcher import BlockFetcher
+from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, default_mode, encode_xattrs
+from aifs.meta.objattrs import to_metadata as object_metadata
+from aifs.meta.store import (
+    DATA,
+    DIR,
+    FILE,
+    LINK,
+    MAYBE_IN_LAKE,
+    META,
+    ROOT_INO,
+    Inode,
+    Listed,
+    MetaStore,
+    valid_name,
+)
+from aifs.read.fetcher import BlockFetcher, read_at
 from aifs.read.readahead import Readahead
 
 log = logging.getLogger(__name__)
@@ -32,13 +56,20 @@ log = logging.getLogger(__name__)
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
 XATTR_PREFIX = b"user.aifs."
+SYNC_XATTR = b"user.aifs.sync"
+PENDING_XATTR = b"user.aifs.pending"
+UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+COPY_CONCURRENCY = 16
 
 
 @dataclass
 class OpenFile:
-    inode: Inode
-    version: ObjectVersion
+    ino: int
+    version: ObjectVersion  # the lake version reads of a non-local file come from
     readahead: Readahead
+    writable: bool
 
 
 @dataclass(frozen=True)
@@ -52,19 +83,40 @@ class Attributes:
     gid: int
     size: int
     mtime_ns: int
+    ctime_ns: int
+
+
+@dataclass(frozen=True)
+class SetAttributes:
+    """The changes a setattr asks for (None: unchanged)."""
+
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    size: int | None = None
+    mtime_ns: int | None = None
+
+
+def _name(name: bytes) -> str:
+    return name.decode("utf-8", "surrogateescape")
 
 
 class Filesystem:
     def __init__(self, config: Config, store: ObjectStore, meta: MetaStore,
-                 cache: BlockCache, clock: Callable[[], float] = time.time) -> None:
+                 cache: BlockCache, local: LocalFiles,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.store = store
         self.meta = meta
         self.cache = cache
+        self.local = local
         self.clock = clock
         self.block_size = config.block_size
         self.fetcher = BlockFetcher(store, cache, config.block_size, config.memory_cache,
                                     max_prefetch=max(4, config.max_connections))
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self.promoter = Promoter(self, store, meta, local, config, self.uid, self.gid)
         self.lookups: dict[int, int] = {}
         self.files: dict[int, OpenFile] = {}
         self.dirs: dict[int, int] = {}
@@ -72,28 +124,89 @@ class Filesystem:
         self._listing: dict[int, trio.Event] = {}
         self._kernel_etag: dict[int, str] = {}
         self._opens: dict[int, int] = {}
+        self._writers: dict[int, int] = {}
+        self._written: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime_ns) unsaved
+        self._changes: dict[int, int] = {}
+        self._materializing: dict[int, trio.Lock] = {}
+        self._disk = trio.CapacityLimiter(8)
         self._warned: set[str] = set()
-        self.uid = os.getuid()
-        self.gid = os.getgid()
+        self.flush_on_unmount = True
+        local.in_use = self._is_open
+        cache.others = lambda: local.used
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
+        nursery.start_soon(self.promoter.run)
+
+    def recover(self) -> None:
+        """At mount: reconcile local copies with the metadata after any exit."""
+        for ino in self.meta.purge_orphans():
+            self.local.remove(ino)
+        pending = {inode.ino: inode for inode in self.meta.pending_inodes()}
+        for ino in self.local.inos():
+            inode = pending.get(ino) or self.meta.get(ino)
+            if inode is None:
+                self.local.remove(ino)
+            elif ino in pending and inode.pending & DATA:
+                size = os.path.getsize(self.local.path(ino))
+                if size != inode.size:  # written after the last save: the copy is the truth
+                    st = os.stat(self.local.path(ino))
+                    self.meta.update(ino, size=size, mtime_ns=st.st_mtime_ns)
+            else:
+                self.local.mark_clean(ino)
+        if pending:
+            log.info("%d inodes have changes not yet in the lake: promoting them",
+                     len(pending))
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
-        if inode.is_dir:
-            mode = stat.S_IFDIR | (inode.mode or 0o755)
-        else:
-            mode = stat.S_IFREG | (inode.mode or 0o644)
+        kind_bits = {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK}.get(inode.kind, stat.S_IFREG)
+        mode = kind_bits | (inode.mode or default_mode(inode.kind))
         return Attributes(inode.ino, mode, 2 if inode.is_dir else 1,
                           self.uid if inode.uid < 0 else inode.uid,
                           self.gid if inode.gid < 0 else inode.gid,
-                          inode.size, int(inode.mtime * 1e9))
+                          inode.size, inode.mtime_ns,
+                          int(inode.ctime * 1e9) or inode.mtime_ns)
 
     def _inode(self, ino: int) -> Inode:
         inode = self.meta.get(ino)
         if inode is None:
             raise FsError(errno.ENOENT)
+        written = self._written.get(ino)
+        if written is not None:
+            inode.size, inode.mtime_ns = written
+        return inode
+
+    def _directory(self, ino: int) -> Inode:
+        directory = self._inode(ino)
+        if not directory.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if directory.orphan:
+            raise FsError(errno.ENOENT)
+        return directory
+
+    async def _load_attrs(self, inode: Inode, may_change_kind: bool) -> Inode:
+        """Read an object's POSIX attributes from its metadata (one HEAD, once)."""
+        if inode.attrs_known or inode.pending or not self.config.object_attrs:
+            return inode
+        try:
+            info = await self.store.head(inode.key) if inode.key else None
+        except ObjectNotFound:
+            info = None  # an implicit directory, or an object gone meanwhile
+        kind = inode.kind
+        if info is not None:
+            apply_metadata(inode, info.metadata)
+        current = self.meta.get(inode.ino)
+        if current is None or current.pending or current.etag != inode.etag:
+            return current or inode  # changed while we asked: keep the newer state
+        inode.attrs_known = True
+        if inode.kind != kind:
+            if not may_change_kind:
+                inode.kind = kind  # known to the kernel as it was; a lookup fixes it
+                inode.attrs_known = False
+                return inode
+            return self.meta.reincarnate(inode)
+        self.meta.put(inode)
         return inode
 
     # -- directory listings -------------------------------------------------
@@ -143,10 +256,9 @@ class Filesystem:
                 entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
         # A file listed before the directory of the same name loses too.
         removed = await trio.to_thread.run_sync(
-            self.meta.apply_listing, directory.ino, list(entries.values()), started)
+            self.meta.apply_listing, directory.ino, list(entries.values()), started, started)
         for ino in removed:
-            if not self.lookups.get(ino):
-                self.meta.delete_orphan(ino)
+            self._free_if_unused(ino)
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     def _acceptable(self, directory: Inode, name: str, key: str) -> bool:
@@ -174,18 +286,27 @@ class Filesystem:
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
-            inode = self.meta.get(ino)
-            if inode is not None and inode.orphan and not self._is_open(ino):
-                self.meta.delete_orphan(ino)
+            self._free_if_unused(ino)
 
     def _is_open(self, ino: int) -> bool:
         return self._opens.get(ino, 0) > 0
 
+    def _free_if_unused(self, ino: int) -> None:
+        """Drop an orphan nobody refers to any more, with its local data."""
+        if self.lookups.get(ino) or self._is_open(ino):
+            return
+        inode = self.meta.get(ino)
+        if inode is None or not inode.orphan:
+            return
+        self.meta.delete_orphan(ino)
+        self.local.remove(ino)
+        self._written.pop(ino, None)
+        self._changes.pop(ino, None)
+        self._kernel_etag.pop(ino, None)
+
     async def lookup(self, parent: int, name: bytes) -> Inode | None:
         """The child, with one more kernel reference; None if there is none."""
-        directory = self._inode(parent)
-        if not directory.is_dir:
-            raise FsError(errno.ENOTDIR)
+        directory = self._directory(parent)
         if name == b".":
             child: Inode | None = directory
         elif name == b"..":
@@ -195,24 +316,54 @@ class Filesystem:
                 raise FsError(errno.ENAMETOOLONG)
             await self._ensure_listed(directory)
             child = self.meta.lookup(parent, name)
+            if child is not None:
+                child = await self._load_attrs(child, may_change_kind=True)
+                child = self._inode(child.ino)
         if child is not None:
             self.remember(child.ino)
         return child
 
     async def getattr(self, ino: int) -> Inode:
         inode = self._inode(ino)
-        if not inode.is_dir and not inode.orphan:
+        if not inode.is_dir and not inode.orphan and not inode.pending:
             parent = self.meta.get(inode.parent)
             if parent is not None and not self._fresh(parent):
                 await self._ensure_listed(parent)
                 inode = self._inode(ino)
+        if not inode.attrs_known and not inode.orphan:
+            await self._load_attrs(inode, may_change_kind=False)
+            inode = self._inode(ino)
         return inode
+
+    async def setattr(self, ino: int, changes: SetAttributes, fh: int | None = None) -> Inode:
+        inode = self._inode(ino)
+        if changes.size is not None:
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            await self._truncate(inode, changes.size)
+        updates: dict[str, object] = {}
+        if changes.mode is not None:
+            updates["mode"] = stat.S_IMODE(changes.mode)
+        if changes.uid is not None:
+            updates["uid"] = changes.uid
+        if changes.gid is not None:
+            updates["gid"] = changes.gid
+        if changes.mtime_ns is not None:
+            updates["mtime_ns"] = changes.mtime_ns
+            if ino in self._written:
+                self._written[ino] = (self._written[ino][0], changes.mtime_ns)
+        if updates:
+            self._save_written(ino)
+            current = self._inode(ino)
+            self._changed(ino)
+            self.meta.update(ino, pending=current.pending | META, ctime=self.clock(),
+                             attrs_known=True, **updates)
+            self._schedule(ino)
+        return self._inode(ino)
 
     # -- directories ----------------------------------------------------------
     async def opendir(self, ino: int) -> int:
-        directory = self._inode(ino)
-        if not directory.is_dir:
-            raise FsError(errno.ENOTDIR)
+        directory = self._directory(ino)
         await self._ensure_listed(directory)
         fh = next(self._handles)
         self.dirs[fh] = ino
@@ -223,28 +374,253 @@ class Filesystem:
         ino = self.dirs.get(fh)
         if ino is None:
             raise FsError(errno.EBADF)
-        return self.meta.readdir(ino, after_cookie, READDIR_BATCH)
+        batch = self.meta.readdir(ino, after_cookie, READDIR_BATCH)
+        for i, (cookie, name, inode) in enumerate(batch):
+            written = self._written.get(inode.ino)
+            if written is not None:
+                inode.size, inode.mtime_ns = written
+                batch[i] = (cookie, name, inode)
+        return batch
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
 
+    # -- namespace ------------------------------------------------------------
+    async def _new_entry(self, parent: int, name: bytes) -> Inode:
+        """The parent directory, checked and listed, where ``name`` may be created."""
+        directory = self._directory(parent)
+        if len(name) > 255:
+            raise FsError(errno.ENAMETOOLONG)
+        if name in (b".", b"..") or b"/" in name or b"\0" in name:
+            raise FsError(errno.EINVAL)
+        if parent == ROOT_INO and name == RESERVED_PREFIX.encode():
+            raise FsError(errno.EPERM)  # the lake's reserved prefix
+        await self._ensure_listed(directory)
+        if self.meta.lookup(parent, name) is not None:
+            raise FsError(errno.EEXIST)
+        return self._directory(parent)
+
+    def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
+             pending: int, **extra: object) -> Inode:
+        now = self.clock()
+        key = directory.key + _name(name) + ("/" if kind == DIR else "")
+        inode = Inode(0, kind, key, directory.ino, mtime_ns=time.time_ns(),
+                      mode=stat.S_IMODE(mode), uid=uid, gid=gid, ctime=now,
+                      attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
+        inode = self.meta.create(directory.ino, name, inode)
+        self._touch_dir(directory.ino)
+        self.remember(inode.ino)
+        return inode
+
+    def _touch_dir(self, ino: int) -> None:
+        """A directory's entries changed: its mtime moves (kept locally only)."""
+        self.meta.update(ino, mtime_ns=time.time_ns(), ctime=self.clock())
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Inode]:
+        directory = await self._new_entry(parent, name)
+        inode = self._add(directory, name, FILE, mode, uid, gid, DATA)
+        self.local.create(inode.ino)
+        self._kernel_etag[inode.ino] = inode.etag
+        fh = self._open_handle(inode, writable=True)
+        return fh, inode
+
+    async def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        if not stat.S_ISREG(mode):
+            raise FsError(errno.EPERM)  # devices, FIFOs and sockets have no lake form
+        directory = await self._new_entry(parent, name)
+        inode = self._add(directory, name, FILE, mode, uid, gid, DATA)
+        self.local.create(inode.ino)
+        self._schedule(inode.ino)
+        return inode
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        directory = await self._new_entry(parent, name)
+        inode = self._add(directory, name, DIR, mode, uid, gid, META,
+                          listed_at=self.clock())
+        self._schedule(inode.ino)
+        return inode
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int,
+                      gid: int) -> Inode:
+        directory = await self._new_entry(parent, name)
+        text = _name(target)
+        inode = self._add(directory, name, LINK, 0o777, uid, gid, DATA, target=text,
+                          size=len(target))
+        self._schedule(inode.ino)
+        return inode
+
+    async def readlink(self, ino: int) -> bytes:
+        inode = self._inode(ino)
+        if inode.kind != LINK:
+            raise FsError(errno.EINVAL)
+        if not inode.target and inode.size and inode.in_lake:
+            data = await self.store.get_range(inode.key, 0, inode.size)
+            inode = self.meta.update(ino, target=_name(data)) or inode
+        return inode.target.encode("utf-8", "surrogateescape")
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        directory = self._directory(parent)
+        await self._ensure_listed(directory)
+        child = self.meta.lookup(parent, name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        if child.is_dir:
+            raise FsError(errno.EISDIR)
+        self._remove(parent, name)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        directory = self._directory(parent)
+        await self._ensure_listed(directory)
+        child = self.meta.lookup(parent, name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        if not child.is_dir:
+            raise FsError(errno.ENOTDIR)
+        await self._ensure_listed(child)
+        if self.meta.children_count(child.ino):
+            raise FsError(errno.ENOTEMPTY)
+        self._remove(parent, name)
+
+    def _remove(self, parent: int, name: bytes) -> None:
+        removed = self.meta.remove(parent, name)
+        self._touch_dir(parent)
+        if removed is not None:
+            self._written.pop(removed.ino, None)
+            self._free_if_unused(removed.ino)
+        self.promoter.tombstones_changed()
+
+    def link(self) -> None:
+        raise FsError(errno.EPERM)  # hard links: an object has one key
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int,
+                     new_name: bytes, flags: int) -> None:
+        if flags & RENAME_EXCHANGE or flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise FsError(errno.EINVAL)
+        source_dir = self._directory(old_parent)
+        await self._ensure_listed(source_dir)
+        source = self.meta.lookup(old_parent, old_name)
+        if source is None:
+            raise FsError(errno.ENOENT)
+        if len(new_name) > 255:
+            raise FsError(errno.ENAMETOOLONG)
+        if new_parent == ROOT_INO and new_name == RESERVED_PREFIX.encode():
+            raise FsError(errno.EPERM)
+        target_dir = self._directory(new_parent)
+        await self._ensure_listed(target_dir)
+        target = self.meta.lookup(new_parent, new_name)
+        if target is not None:
+            if target.ino == source.ino:
+                return
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if source.is_dir and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if target.is_dir and not source.is_dir:
+                raise FsError(errno.EISDIR)
+            if target.is_dir:
+                await self._ensure_listed(target)
+                if self.meta.children_count(target.ino):
+                    raise FsError(errno.ENOTEMPTY)
+        if source.is_dir and self._is_under(target_dir, source.ino):
+            raise FsError(errno.EINVAL)  # into its own subtree
+        self._save_written(source.ino)
+        source = self._inode(source.ino)
+        new_key = target_dir.key + _name(new_name) + ("/" if source.is_dir else "")
+        tombstones, etags = await self._move_in_lake(source, new_key)
+        moved, replaced = self.meta.rename(old_parent, old_name, new_parent, new_name,
+                                           new_key, tombstones, etags)
+        self._touch_dir(old_parent)
+        if new_parent != old_parent:
+            self._touch_dir(new_parent)
+        if replaced is not None:
+            self._written.pop(replaced.ino, None)
+            self._free_if_unused(replaced.ino)
+        if moved.pending:
+            self._schedule(moved.ino)
+        self.promoter.tombstones_changed()
+
+    def _is_under(self, inode: Inode, ancestor: int) -> bool:
+        """Whether ``inode`` is ``ancestor`` or lies below it."""
+        current: Inode | None = inode
+        for _ in range(4096):
+            if current is None:
+                return False
+            if current.ino == ancestor:
+                return True
+            if current.ino == ROOT_INO:
+                return False
+            current = self.meta.get(current.parent)
+        return False
+
+    async def _move_in_lake(self, source: Inode,
+                            new_key: str) -> tuple[list[str], dict[str, str]]:
+        """Copy what the lake holds of ``source`` to ``new_key`` (server side);
+        return the old keys to delete and the ETags of the copies."""
+        if not source.is_dir:
+            if not source.in_lake:
+                return [], {}
+            if source.pending & DATA or source.etag == MAYBE_IN_LAKE:
+                return [source.key], {}  # its upload goes to the new key
+            metadata = (object_metadata(source, self.uid, self.gid)
+                        if source.pending & META else None)
+            try:
+                info = await self.store.copy(source.key, new_key, metadata)
+            except ObjectNotFound:
+                return [], {}
+            return [source.key], {new_key: info.etag}
+        old_keys: list[str] = []
+        copies: list[tuple[str, str]] = []
+        async for page in self.store.iter_list(source.key, None):
+            for obj in page.objects:
+                old_keys.append(obj.key)
+                if self.meta.tombstoned(obj.key):
+                    continue
+                owner = self.meta.owner_of(obj.key)
+                owner_inode = self.meta.get(owner) if owner else None
+                if owner_inode is not None and owner_inode.pending & DATA:
+                    continue  # uploaded under its new key later
+                copies.append((obj.key, new_key + obj.key[len(source.key):]))
+        etags: dict[str, str] = {}
+        limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
+
+        async def copy(src: str, dst: str) -> None:
+            async with limiter:
+                try:
+                    etags[dst] = (await self.store.copy(src, dst)).etag
+                except ObjectNotFound:
+                    pass
+
+        async with trio.open_nursery() as nursery:
+            for src, dst in copies:
+                nursery.start_soon(copy, src, dst)
+        if source.key not in old_keys:
+            old_keys.append(source.key)  # the marker, if any
+        return old_keys, etags
+
     # -- files ----------------------------------------------------------------
     def open(self, ino: int, flags: int) -> tuple[int, bool]:
-        """Open for reading; return the handle and whether the kernel may keep
-        the pages it cached for this inode (only if the object is unchanged)."""
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise FsError(errno.EROFS)
+        """Open a file; return the handle and whether the kernel may keep the
+        pages it cached for this inode (only if the content did not change
+        behind its back)."""
         inode = self._inode(ino)
         if inode.is_dir:
             raise FsError(errno.EISDIR)
-        version = ObjectVersion(inode.key, inode.etag, inode.size)
+        writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
         keep_cache = self._kernel_etag.get(ino) == inode.etag
         self._kernel_etag[ino] = inode.etag
+        return self._open_handle(inode, writable), keep_cache
+
+    def _open_handle(self, inode: Inode, writable: bool) -> int:
         fh = next(self._handles)
+        ino = inode.ino
         self._opens[ino] = self._opens.get(ino, 0) + 1
-        self.files[fh] = OpenFile(inode, version,
-                                  Readahead(self.block_size, self.config.readahead_max))
-        return fh, keep_cache
+        if writable:
+            self._writers[ino] = self._writers.get(ino, 0) + 1
+        self.files[fh] = OpenFile(ino, ObjectVersion(inode.key, inode.etag, inode.size),
+                                  Readahead(self.block_size, self.config.readahead_max),
+                                  writable)
+        return fh
 
     def _file(self, fh: int) -> OpenFile:
         handle = self.files.get(fh)
@@ -254,6 +630,9 @@ class Filesystem:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self._file(fh)
+        if self.local.has(handle.ino):
+            self.local.touch(handle.ino)
+            return await read_at(self.local.fd(handle.ino), offset, size, self._disk)
         version = handle.version
         end = min(offset + size, version.size)
         if offset >= end:
@@ -273,50 +652,303 @@ class Filesystem:
             pieces.append(await self.fetcher.read(version, index, lo, hi))
         return b"".join(pieces)
 
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self._file(fh)
+        if not handle.writable:
+            raise FsError(errno.EBADF)
+        ino = handle.ino
+        size, _ = await self._make_local(ino)
+        end = offset + len(data)
+        if end > size:
+            await self._reserve(end - size)
+        written = await self._pwrite(self.local.fd(ino), data, offset)
+        size = max(self._written[ino][0], offset + written)
+        self._written[ino] = (size, time.time_ns())
+        self._changed(ino)
+        self.local.resized(ino, size)
+        return written
+
+    async def _pwrite(self, fd: int, data: bytes, offset: int) -> int:
+        """Write to a local copy: inline unless it would block, then in a thread."""
+        try:
+            try:
+                done = os.pwritev(fd, [data], offset, os.RWF_NOWAIT)
+            except (BlockingIOError, OSError) as exc:
+                if isinstance(exc, BlockingIOError) or exc.errno in (errno.EOPNOTSUPP,
+                                                                     errno.EAGAIN):
+                    done = 0
+                else:
+                    raise
+            while done < len(data):
+                done += await trio.to_thread.run_sync(
+                    os.pwrite, fd, memoryview(data)[done:], offset + done, limiter=self._disk)
+            return done
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                log.error("local cache disk full: write refused")
+            raise FsError(exc.errno or errno.EIO) from None
+
+    async def _make_local(self, ino: int) -> tuple[int, int]:
+        """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns)."""
+        if ino not in self._written or not self.local.has(ino):
+            lock = self._materializing.setdefault(ino, trio.Lock())
+            async with lock:
+                inode = self._inode(ino)
+                if not self.local.has(ino):
+                    await self._materialize(inode)
+                self._written.setdefault(ino, (inode.size, inode.mtime_ns))
+                if self._materializing.get(ino) is lock and not lock.statistics().tasks_waiting:
+                    del self._materializing[ino]
+        inode = self.meta.get(ino)
+        if inode is not None and not inode.pending & DATA:
+            self.meta.update(ino, pending=inode.pending | DATA, ctime=self.clock())
+            self.local.mark_dirty(ino)
+        return self._written[ino]
+
+    async def _materialize(self, inode: Inode, size: int | None = None) -> None:
+        """Fetch the first ``size`` bytes (default all) of the lake object into a local copy."""
+        size = inode.size if size is None else min(size, inode.size)
+        if size == 0 or not inode.in_lake or inode.etag == MAYBE_IN_LAKE:
+            self.local.create(inode.ino)
+            return
+        await self._reserve(size)
+        version = ObjectVersion(inode.key, inode.etag, inode.size)
+        bs = self.block_size
+        count = (size + bs - 1) // bs
+        tmp = self.local.tmp_path(inode.ino)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for index in range(count):
+                self.fetcher.prefetch(version, index + 1, min(count - 1, index + 8))
+                block = await self.fetcher.block(version, index)
+                piece = memoryview(block)[:size - index * bs]
+                await trio.to_thread.run_sync(os.pwrite, fd, piece, index * bs,
+                                              limiter=self._disk)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        self.local.adopt(inode.ino, tmp)
+        log.debug("materialized %s (%d bytes) for writing", inode.key, size)
+
+    async def _truncate(self, inode: Inode, size: int) -> None:
+        ino = inode.ino
+        if not self.local.has(ino):
+            lock = self._materializing.setdefault(ino, trio.Lock())
+            async with lock:
+                if not self.local.has(ino):
+                    await self._materialize(inode, size)
+        self._written.setdefault(ino, (inode.size, inode.mtime_ns))
+        await self._make_local(ino)
+        if size > self._written[ino][0]:
+            await self._reserve(size - self._written[ino][0])
+        try:
+            os.ftruncate(self.local.fd(ino), size)
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO) from None
+        self._written[ino] = (size, time.time_ns())
+        self._changed(ino)
+        self.local.resized(ino, size)
+        self._save_written(ino)
+        if not self._writers.get(ino):
+            self._schedule(ino)
+
+    async def _reserve(self, incoming: int) -> None:
+        """Make room in the cache for ``incoming`` bytes of local data: evict
+        clean blocks, then clean local copies, then wait for promotion."""
+        def over() -> int:
+            return self.cache.used + self.local.used + incoming - self.config.cache_size
+        if over() <= 0:
+            return
+        await trio.to_thread.run_sync(self.cache.evict, over(), limiter=self._disk)
+        if over() > 0:
+            self.local.evict(over())
+        while over() > 0 and self.promoter.hurry():
+            await self.promoter.wait_progress()
+            self.local.evict(max(0, over()))
+
+    def _changed(self, ino: int) -> None:
+        self._changes[ino] = self._changes.get(ino, 0) + 1
+
+    def _save_written(self, ino: int) -> None:
+        """Store the in-memory size and mtime of a file being written."""
+        written = self._written.get(ino)
+        if written is not None:
+            self.meta.update(ino, size=written[0], mtime_ns=written[1], ctime=self.clock())
+
+    def _schedule(self, ino: int) -> None:
+        if not self._writers.get(ino):
+            self.promoter.schedule(ino)
+
+    async def flush(self, fh: int) -> None:
+        handle = self._file(fh)
+        if handle.writable:
+            self._save_written(handle.ino)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        ino = self._file(fh).ino
+        self._save_written(ino)
+        await trio.to_thread.run_sync(self.local.sync, ino, limiter=self._disk)
+        await trio.to_thread.run_sync(self.meta.sync, limiter=self._disk)
+        if self.config.fsync == "lake":
+            await self.promoter.sync(lambda inode: inode.ino == ino, None)
+
     def release(self, fh: int) -> None:
         handle = self.files.pop(fh, None)
         if handle is None:
             return
-        ino = handle.inode.ino
+        ino = handle.ino
+        if handle.writable:
+            left = self._writers.get(ino, 0) - 1
+            if left > 0:
+                self._writers[ino] = left
+            else:
+                self._writers.pop(ino, None)
+                self._save_written(ino)
+                self._written.pop(ino, None)
+                inode = self.meta.get(ino)
+                if inode is not None and inode.pending and not inode.orphan:
+                    self.promoter.schedule(ino)
         left = self._opens.get(ino, 0) - 1
         if left > 0:
             self._opens[ino] = left
             return
         self._opens.pop(ino, None)
+        self._free_if_unused(ino)
+        self.promoter.tombstones_changed()
+
+    # -- promotion host ------------------------------------------------------------
+    def promotable(self, ino: int, force: bool) -> Inode | None:
+        """The inode as it should reach the lake now, or None if it must wait
+        (open for writing: promoted after close, unless ``force``)."""
+        if self._writers.get(ino) and not force:
+            return None
+        self._save_written(ino)
         inode = self.meta.get(ino)
-        if inode is not None and inode.orphan and not self.lookups.get(ino):
-            self.meta.delete_orphan(ino)
+        if inode is None or inode.orphan:
+            return None
+        return inode
+
+    def change_count(self, ino: int) -> int:
+        return self._changes.get(ino, 0)
+
+    def is_open(self, ino: int) -> bool:
+        return self._is_open(ino)
+
+    def promoted(self, ino: int, inode: Inode) -> None:
+        """``inode`` reached the lake: what was cached is that version now."""
+        if ino in self._kernel_etag:
+            self._kernel_etag[ino] = inode.etag
+        version = ObjectVersion(inode.key, inode.etag, inode.size)
+        for handle in self.files.values():
+            if handle.ino == ino:
+                handle.version = version
+
+    async def sync(self, ino: int) -> None:
+        """Return once every change at or under ``ino`` is in the lake."""
+        inode = self._inode(ino)
+        for written in list(self._written):
+            self._save_written(written)
+        if inode.is_dir:
+            await self.promoter.sync(lambda i: self._is_under(i, ino), inode.key)
+        else:
+            await self.promoter.sync(lambda i: i.ino == ino, None)
+
+    async def drain(self) -> None:
+        """At unmount: promote everything (unless told not to)."""
+        summary = self.promoter.summary()
+        if not (summary["files"] or summary["deletes"]):
+            return
+        if not self.flush_on_unmount:
+            log.info("unmounting with %d files (%d bytes) not yet in the lake: the next "
+                     "mount promotes them", summary["files"], summary["bytes"])
+            return
+        log.info("promoting %d files (%d bytes) and %d deletes before unmounting",
+                 summary["files"], summary["bytes"], summary["deletes"])
+        try:
+            await self.promoter.sync(lambda i: True, "")
+        except LakeError as exc:
+            left = self.promoter.summary()
+            log.error("unmounting with %d files not in the lake (%s): the next mount "
+                      "with this cache directory promotes them", left["files"], exc)
 
     # -- extended attributes ----------------------------------------------------
     def xattrs(self, ino: int) -> dict[bytes, bytes]:
-        """Read-only facts about an inode, as ``user.aifs.*`` attributes."""
+        """User xattrs, then read-only facts about an inode as ``user.aifs.*``."""
         inode = self._inode(ino)
-        facts: dict[bytes, bytes] = {b"user.aifs.key": inode.key.encode("utf-8",
-                                                                         "surrogateescape")}
+        out = {name.encode("utf-8", "surrogateescape"): base64.b64decode(value)
+               for name, value in inode.xattrs.items()}
+        out[b"user.aifs.key"] = inode.key.encode("utf-8", "surrogateescape")
         if not inode.is_dir:
             version = ObjectVersion(inode.key, inode.etag, inode.size)
-            facts[b"user.aifs.etag"] = inode.etag.encode()
-            facts[b"user.aifs.cached_bytes"] = str(self.cache.cached_bytes(version)).encode()
+            out[b"user.aifs.etag"] = inode.etag.encode()
+            cached = self.cache.cached_bytes(version)
+            if self.local.has(ino):
+                cached = max(cached, inode.size)
+            out[b"user.aifs.cached_bytes"] = str(cached).encode()
+        out[b"user.aifs.state"] = (b"local" if inode.pending else b"lake")
         if ino == ROOT_INO:
-            facts[b"user.aifs.lake"] = self.config.resolved_lake().encode()
-            facts[b"user.aifs.pid"] = str(os.getpid()).encode()
-            facts[b"user.aifs.stats"] = json.dumps(self.stats()).encode()
-        return facts
+            out[b"user.aifs.lake"] = self.config.resolved_lake().encode()
+            out[b"user.aifs.pid"] = str(os.getpid()).encode()
+            out[b"user.aifs.stats"] = json.dumps(self.stats()).encode()
+            out[PENDING_XATTR] = json.dumps(self.promoter.summary()).encode()
+        return out
 
     def stats(self) -> dict[str, int]:
         """Live counters (also the seed of ``aifs status``)."""
         fetched = self.fetcher.stats
+        promoted = self.promoter.stats
         return {"lake_gets": fetched.lake_gets, "lake_bytes": fetched.lake_bytes,
                 "memory_hits": fetched.memory_hits, "disk_hits": fetched.disk_hits,
                 "fetch_errors": fetched.errors, "cache_bytes": self.cache.used,
-                "cache_capacity": self.cache.capacity, "evictions": self.cache.evictions,
-                "open_files": len(self.files)}
+                "local_bytes": self.local.used, "cache_capacity": self.cache.capacity,
+                "evictions": self.cache.evictions + self.local.evictions,
+                "open_files": len(self.files), "uploads": promoted.uploads,
+                "upload_bytes": promoted.upload_bytes, "deletes": promoted.deletes,
+                "metadata_updates": promoted.metadata_updates,
+                "promote_failures": promoted.failures}
 
-    def getxattr(self, ino: int, name: bytes) -> bytes:
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name == SYNC_XATTR:
+            await self.sync(ino)
+            return b"synced"
         value = self.xattrs(ino).get(name)
         if value is None:
             raise FsError(errno.ENODATA)
         return value
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return list(self.xattrs(ino))
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if name == UNMOUNT_FLUSH_XATTR and ino == ROOT_INO:
+            self.flush_on_unmount = value.strip().lower() not in (b"0", b"false", b"no")
+            return
+        if name.startswith(XATTR_PREFIX):
+            raise FsError(errno.EPERM)  # read-only facts
+        if not name.startswith(b"user."):
+            raise FsError(errno.EOPNOTSUPP)
+        inode = self._inode(ino)
+        xattrs = dict(inode.xattrs)
+        xattrs[_name(name)] = base64.b64encode(value).decode()
+        if len(encode_xattrs(xattrs)) > MAX_XATTR_BYTES:
+            raise FsError(errno.E2BIG)  # it must fit in the object's metadata
+        self._set_xattrs(inode, xattrs)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        inode = self._inode(ino)
+        if _name(name) not in inode.xattrs:
+            raise FsError(errno.ENODATA)
+        xattrs = dict(inode.xattrs)
+        del xattrs[_name(name)]
+        self._set_xattrs(inode, xattrs)
+
+    def _set_xattrs(self, inode: Inode, xattrs: dict[str, str]) -> None:
+        self._changed(inode.ino)
+        self.meta.update(inode.ino, xattrs=xattrs, pending=inode.pending | META,
+                         ctime=self.clock(), attrs_known=True)
+        self._schedule(inode.ino)
 
     def statfs(self) -> dict[str, int]:
         """The lake has no fixed size: report plenty of room, as S3 mounts do."""

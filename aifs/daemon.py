@@ -17,6 +17,7 @@ from pathlib import Path
 import trio
 
 from aifs.cache.blocks import BlockCache
+from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import AifsError, ConfigError
 from aifs.lake.base import ObjectStore
@@ -145,11 +146,10 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     from aifs.meta.store import MetaStore
     await store.check()
     meta = MetaStore(cache_dir / "meta")
-    purged = meta.purge_orphans()
-    if purged:
-        log.info("dropped %d stale inodes", purged)
     cache = await trio.to_thread.run_sync(BlockCache, cache_dir, config.cache_size)
-    fs = Filesystem(config, store, meta, cache)
+    local = await trio.to_thread.run_sync(LocalFiles, cache_dir)
+    fs = Filesystem(config, store, meta, cache, local)
+    fs.recover()
     ops = Operations(fs)
     mountpoint = os.path.abspath(config.mountpoint)
     try:
@@ -157,19 +157,27 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     except RuntimeError as exc:
         raise ConfigError(f"cannot mount on {mountpoint}: {exc}") from None
     log.info("mounted %s on %s (cache %s)", store.description, mountpoint, cache_dir)
+    mounted = True
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(_on_signals)
             nursery.start_soon(_announce_ready, mountpoint, report, config)
             await pyfuse3.main()
+            sd_notify("STOPPING=1")
+            pyfuse3.close(unmount=True)
+            mounted = False
+            log.info("unmounted %s", mountpoint)
+            # The mount is gone; the promoter still runs: finish what is pending.
+            await fs.drain()
             nursery.cancel_scope.cancel()
     finally:
-        sd_notify("STOPPING=1")
-        pyfuse3.close(unmount=True)
+        if mounted:
+            sd_notify("STOPPING=1")
+            pyfuse3.close(unmount=True)
+        local.close()
         meta.close()
         await store.aclose()
-        log.info("unmounted %s", mountpoint)
     return 0
 
 

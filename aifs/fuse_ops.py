@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from aifs.core import Filesystem
+from aifs.core import Filesystem, SetAttributes
 from aifs.errors import FsError, LakeError
 from aifs.meta.store import Inode
 
@@ -40,13 +40,6 @@ def _replies(fn: F) -> F:
             log.exception("unexpected error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
     return handler  # type: ignore[return-value]
-
-
-def _read_only(name: str) -> Callable[..., Awaitable[Any]]:
-    async def refuse(self: Operations, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS)
-    refuse.__name__ = name
-    return refuse
 
 
 class Operations(pyfuse3.Operations):
@@ -75,7 +68,11 @@ class Operations(pyfuse3.Operations):
         entry.st_size = a.size
         entry.st_blksize = self.blksize
         entry.st_blocks = (a.size + 511) // 512
-        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = a.mtime_ns
+        entry.st_atime_ns = entry.st_mtime_ns = a.mtime_ns
+        entry.st_ctime_ns = a.ctime_ns
+        if not inode.attrs_known:
+            # Ask again: a lookup reads the object's own attributes (and type) first.
+            entry.attr_timeout = entry.entry_timeout = 0
         return entry
 
     @_replies
@@ -121,10 +118,82 @@ class Operations(pyfuse3.Operations):
         self.fs.releasedir(fh)
 
     @_replies
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        changes = SetAttributes(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
+        return self._entry(await self.fs.setattr(inode, changes, fh))
+
+    @_replies
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(await self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_replies
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_replies
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(await self.fs.symlink(parent_inode, name, target, ctx.uid,
+                                                 ctx.gid))
+
+    @_replies
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.fs.readlink(inode)
+
+    @_replies
+    async def unlink(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> None:
+        await self.fs.unlink(parent_inode, name)
+
+    @_replies
+    async def rmdir(self, parent_inode: int, name: bytes,
+                    ctx: pyfuse3.RequestContext) -> None:
+        await self.fs.rmdir(parent_inode, name)
+
+    @_replies
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_replies
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self.fs.link()
+        raise AssertionError("unreachable")
+
+    @_replies
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh, keep_cache = self.fs.open(inode, flags)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+
+    @_replies
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        fh, inode = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh), self._entry(inode)
+
+    @_replies
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.fs.write(fh, off, buf)
+
+    @_replies
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsync(fh, datasync)
+
+    @_replies
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # directory changes are in LMDB; durable with the next fsync
 
     @_replies
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -136,7 +205,7 @@ class Operations(pyfuse3.Operations):
 
     @_replies
     async def flush(self, fh: int) -> None:
-        return None
+        await self.fs.flush(fh)
 
     @_replies
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -156,7 +225,7 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes,
                        ctx: pyfuse3.RequestContext) -> bytes:
         try:
-            return self.fs.getxattr(inode, name)
+            return await self.fs.getxattr(inode, name)
         except FsError as exc:
             if exc.errno == errno.ENODATA:
                 raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
@@ -164,18 +233,19 @@ class Operations(pyfuse3.Operations):
 
     @_replies
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return list(self.fs.xattrs(inode))
+        return self.fs.listxattr(inode)
 
-    # Writes answer EROFS until the write path exists.
-    setattr = _read_only("setattr")
-    mknod = _read_only("mknod")
-    mkdir = _read_only("mkdir")
-    unlink = _read_only("unlink")
-    rmdir = _read_only("rmdir")
-    symlink = _read_only("symlink")
-    rename = _read_only("rename")
-    link = _read_only("link")
-    create = _read_only("create")
-    write = _read_only("write")
-    setxattr = _read_only("setxattr")
-    removexattr = _read_only("removexattr")
+    @_replies
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        self.fs.setxattr(inode, name, value)
+
+    @_replies
+    async def removexattr(self, inode: int, name: bytes,
+                          ctx: pyfuse3.RequestContext) -> None:
+        try:
+            self.fs.removexattr(inode, name)
+        except FsError as exc:
+            if exc.errno == errno.ENODATA:
+                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
+            raise

@@ -259,9 +259,129 @@ def aifs_cli() -> Callable[..., subprocess.CompletedProcess]:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Safety net: report (and release) any test mount left behind."""
-    with open("/proc/mounts") as fp:
+    base = str(session.config._tmp_path_factory.getbasetemp())
+    with open("/proc/mounts") as fp:  # only this session's: others may run beside it
         leftovers = [line.split()[1] for line in fp
-                     if line.split()[2] == "fuse.aifs" and "pytest-" in line]
+                     if line.split()[2] == "fuse.aifs" and line.split()[1].startswith(base)]
     for path in leftovers:
         print(f"\nLEFTOVER MOUNT {path}: a test did not unmount it", file=sys.stderr)
         subprocess.run(["fusermount3", "-u", "-z", path], check=False)
+
+
+# -- direct views of a lake's contents (for the write-path tests) ----------------
+LOCAL_STAGING = ".aifs-uploads"   # the local lake's multipart staging directory
+LOCAL_TMP_PREFIX = ".aifs-tmp-"   # the local lake's not-yet-renamed objects
+
+
+def lake_keys(lake: Lake) -> list[str]:
+    """Every key in the lake, sorted, without the lake's prefix; a directory marker
+    ends with "/" (on the local lake every directory counts as one)."""
+    if lake.server:
+        keys: list[str] = []
+        pages = lake.server.client.get_paginator("list_objects_v2").paginate(
+            Bucket=lake.bucket, Prefix=lake.prefix)
+        for page in pages:
+            keys += [o["Key"][len(lake.prefix):] for o in page.get("Contents", [])]
+        return sorted(keys)
+    assert lake.root is not None
+    keys = []
+    for dirpath, dirnames, filenames in os.walk(lake.root):
+        rel = os.path.relpath(dirpath, lake.root)
+        prefix = "" if rel == "." else rel + "/"
+        dirnames[:] = [d for d in dirnames if not d.startswith(LOCAL_TMP_PREFIX)
+                       and not (prefix == "" and d == LOCAL_STAGING)]
+        if prefix:
+            keys.append(prefix)
+        keys += [prefix + f for f in filenames if not f.startswith(LOCAL_TMP_PREFIX)]
+    return sorted(keys)
+
+
+def lake_tree(lake: Lake, under: str = "") -> tuple[dict[str, bytes], set[str]]:
+    """(files, directories) below ``under`` ("" or "some/dir/"), as paths relative to it:
+    files map to their bytes; directories are markers and every implied parent."""
+    from concurrent.futures import ThreadPoolExecutor
+    object_keys: list[str] = []
+    dirs: set[str] = set()
+    for key in lake_keys(lake):
+        if not key.startswith(under) or key == under:
+            continue
+        rel = key[len(under):]
+        if rel.endswith("/"):
+            rel = rel.rstrip("/")
+            dirs.add(rel)
+        else:
+            object_keys.append(key)
+        parts = rel.split("/")
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    with ThreadPoolExecutor(16) as pool:
+        contents = list(pool.map(lake.get, object_keys))
+    files = {key[len(under):]: data for key, data in zip(object_keys, contents, strict=True)}
+    return files, dirs
+
+
+def lake_meta(lake: Lake, key: str) -> dict[str, str]:
+    """The user metadata of one object (s3fs names: mode, uid, gid, mtime, xattr)."""
+    if lake.server:
+        return lake.server.client.head_object(Bucket=lake.bucket,
+                                              Key=lake.prefix + key)["Metadata"]
+    assert lake.root is not None
+    path = lake.root / key
+    return {name[len("user.aifs.meta."):]: os.getxattr(path, name).decode()
+            for name in os.listxattr(path) if name.startswith("user.aifs.meta.")}
+
+
+def lake_size(lake: Lake, key: str) -> int | None:
+    """The size of the object under ``key`` now, or None when there is none."""
+    import botocore.exceptions
+    if lake.server:
+        try:
+            return lake.server.client.head_object(Bucket=lake.bucket,
+                                                  Key=lake.prefix + key)["ContentLength"]
+        except botocore.exceptions.ClientError as exc:
+            if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+    assert lake.root is not None
+    try:
+        return os.stat(lake.root / key).st_size
+    except FileNotFoundError:
+        return None
+
+
+def lake_digest(lake: Lake, key: str) -> str:
+    """xxh3-128 of an object's bytes, streamed (for big objects)."""
+    import xxhash
+    hasher = xxhash.xxh3_128()
+    if lake.server:
+        body = lake.server.client.get_object(Bucket=lake.bucket, Key=lake.prefix + key)["Body"]
+        for chunk in body.iter_chunks(4 << 20):
+            hasher.update(chunk)
+        return hasher.hexdigest()
+    assert lake.root is not None
+    with open(lake.root / key, "rb") as fp:
+        while chunk := fp.read(4 << 20):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def lake_uploads(lake: Lake) -> list[str]:
+    """Unfinished multipart uploads in the lake: their keys on S3, the staging
+    entries on the local lake."""
+    if lake.server:
+        found: list[str] = []
+        pages = lake.server.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=lake.bucket)
+        for page in pages:
+            found += [u["Key"] for u in page.get("Uploads", [])]
+        return found
+    assert lake.root is not None
+    try:
+        return sorted(os.listdir(lake.root / LOCAL_STAGING))
+    except FileNotFoundError:
+        return []
+
+
+def mtime_ns_of(value: str) -> int:
+    """The s3fs ``mtime`` metadata ("SECONDS" or "SECONDS.NNNNNNNNN") in nanoseconds."""
+    seconds, _, fraction = value.partition(".")
+    return int(seconds) * 1_000_000_000 + int((fraction or "0").ljust(9, "0")[:9])

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from aifs.cache.blocks import BlockCache
+from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.core import Filesystem
 from aifs.errors import FsError
@@ -41,7 +42,8 @@ async def fs(tmp_path, nursery):
                     readahead_max=4 * MiB, metadata_ttl=60)
     store = CountingStore(str(tmp_path / "lake"))
     filesystem = Filesystem(config, store, MetaStore(tmp_path / "meta"),
-                            BlockCache(tmp_path / "cache", config.cache_size))
+                            BlockCache(tmp_path / "cache", config.cache_size),
+                            LocalFiles(tmp_path / "cache"))
     filesystem.start(nursery)
     filesystem.data = data  # type: ignore[attr-defined]
     return filesystem
@@ -89,12 +91,96 @@ async def test_sequential_reads_grow_readahead(fs):
     assert fs.files[fh].readahead.window == 4 * MiB  # grew to the maximum
 
 
-async def test_write_flags_are_refused(fs):
+async def _sync_all(fs) -> None:
+    with trio.fail_after(30):
+        await fs.sync(ROOT_INO)
+
+
+async def test_write_then_promote_to_the_lake(fs, tmp_path):
+    fh, inode = await fs.create(ROOT_INO, b"new.bin", 0o640, os.O_WRONLY, 0, 0)
+    assert await fs.write(fh, 0, b"hello ") == 6
+    assert await fs.write(fh, 10, b"world") == 5  # a hole of 4 bytes
+    assert bytes(await fs.read(fh, 0, 100)) == b"hello \0\0\0\0world"
+    fs.release(fh)
+    assert fs.meta.get(inode.ino).pending  # not in the lake before its delay
+    await _sync_all(fs)
+    assert (tmp_path / "lake" / "new.bin").read_bytes() == b"hello \0\0\0\0world"
+    stored = fs.meta.get(inode.ino)
+    assert not stored.pending and stored.etag and stored.size == 15
+    meta = {n: os.getxattr(tmp_path / "lake" / "new.bin", n).decode()
+            for n in os.listxattr(tmp_path / "lake" / "new.bin")}
+    assert meta["user.aifs.meta.mode"] == str(0o100640)
+
+
+async def test_overwrite_of_a_lake_file_materializes_it(fs, tmp_path):
     small = await fs.lookup(ROOT_INO, b"small")
-    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
-        with pytest.raises(FsError) as info:
-            fs.open(small.ino, flags)
-        assert info.value.errno == errno.EROFS
+    fh, _ = fs.open(small.ino, os.O_RDWR)
+    await fs.write(fh, 2, b"X")
+    assert bytes(await fs.read(fh, 0, 10)) == b"smXll"
+    fs.release(fh)
+    await _sync_all(fs)
+    assert (tmp_path / "lake" / "small").read_bytes() == b"smXll"
+
+
+async def test_rename_of_a_promoted_directory_copies_in_the_lake(fs, tmp_path):
+    d = await fs.lookup(ROOT_INO, b"d")
+    fh, _ = await fs.create(d.ino, b"local", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"not yet promoted")
+    fs.release(fh)
+    await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+    await _sync_all(fs)
+    lake = tmp_path / "lake"
+    assert not (lake / "d").exists()
+    assert (lake / "e" / "big").read_bytes() == fs.data
+    assert (lake / "e" / "local").read_bytes() == b"not yet promoted"
+    e = await fs.lookup(ROOT_INO, b"e")
+    big = await fs.lookup(e.ino, b"big")
+    fh, _ = fs.open(big.ino, os.O_RDONLY)
+    assert bytes(await fs.read(fh, 0, 64)) == fs.data[:64]  # the copy's ETag is known
+
+
+async def test_unlink_deletes_in_the_lake_and_rmdir_needs_empty(fs, tmp_path):
+    d = await fs.lookup(ROOT_INO, b"d")
+    with pytest.raises(FsError) as info:
+        await fs.rmdir(ROOT_INO, b"d")
+    assert info.value.errno == errno.ENOTEMPTY
+    await fs.unlink(d.ino, b"big")
+    await fs.rmdir(ROOT_INO, b"d")
+    await fs.unlink(ROOT_INO, b"small")
+    await _sync_all(fs)
+    assert sorted(os.listdir(tmp_path / "lake")) == []
+    assert await fs.lookup(ROOT_INO, b"small") is None
+
+
+async def test_changes_survive_a_crash(tmp_path):
+    """A new Filesystem on the same cache promotes what the old one left."""
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    config = Config(lake=f"file://{lake}", block_size=MiB, cache_size=64 * MiB,
+                    promote_delay=3600)
+
+    def build():
+        return Filesystem(config, LocalStore(str(lake)), MetaStore(tmp_path / "meta"),
+                          BlockCache(tmp_path / "cache", config.cache_size),
+                          LocalFiles(tmp_path / "cache"))
+
+    first = build()
+    async with trio.open_nursery() as nursery:
+        first.start(nursery)
+        fh, _ = await first.create(ROOT_INO, b"kept", 0o644, os.O_WRONLY, 0, 0)
+        await first.write(fh, 0, b"closed before the crash")
+        first.release(fh)
+        nursery.cancel_scope.cancel()  # the daemon dies: nothing promoted
+    first.meta.env.close()
+    assert not (lake / "kept").exists()
+    second = build()
+    second.recover()
+    async with trio.open_nursery() as nursery:
+        second.start(nursery)
+        with trio.fail_after(30):
+            await second.sync(ROOT_INO)
+        nursery.cancel_scope.cancel()
+    assert (lake / "kept").read_bytes() == b"closed before the crash"
 
 
 async def test_keep_cache_only_for_unchanged_objects(fs, tmp_path):

@@ -18,6 +18,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +42,12 @@ class ObjectVersion:
 
 
 class BlockCache:
-    def __init__(self, directory: Path, capacity: int) -> None:
+    def __init__(self, directory: Path, capacity: int,
+                 others: Callable[[], int] = lambda: 0) -> None:
         self.root = directory / "blocks"
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
+        self.others = others  # bytes of the same capacity used outside blocks
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # relative path -> bytes
         self._per_object: dict[str, int] = {}  # ident -> bytes cached
@@ -116,11 +119,24 @@ class BlockCache:
     def _make_room(self, incoming: int) -> None:
         while True:
             with self._lock:
-                if self.used + incoming <= self.capacity or not self._lru:
+                if self.used + incoming + self.others() <= self.capacity or not self._lru:
                     return
                 rel, _ = next(iter(self._lru.items()))
             self._forget(rel)
             self.evictions += 1
+
+    def evict(self, wanted: int) -> int:
+        """Drop least recently used blocks until ``wanted`` bytes are freed."""
+        freed = 0
+        while freed < wanted:
+            with self._lock:
+                if not self._lru:
+                    break
+                rel, size = next(iter(self._lru.items()))
+            self._forget(rel)
+            self.evictions += 1
+            freed += size
+        return freed
 
     def _forget(self, rel: str) -> None:
         with self._lock:

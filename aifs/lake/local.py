@@ -25,11 +25,19 @@ T = TypeVar("T")
 STAGING = ".aifs-uploads"
 TMP_PREFIX = ".aifs-tmp-"
 META_XATTR = "user.aifs.meta."
+MARKER_XATTR = "user.aifs.marker"  # a directory that is a marker object, not only a prefix
 PAGE = 1000
 
 
 def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def _drop_marker(path: str) -> None:
+    """A deleted marker leaves an implicit directory (while it has children)."""
+    for name in os.listxattr(path):
+        if name == MARKER_XATTR or name.startswith(META_XATTR):
+            os.removexattr(path, name)
 
 
 class LocalStore(ObjectStore):
@@ -137,6 +145,9 @@ class LocalStore(ObjectStore):
                 if data:
                     raise InvalidKey(f"directory marker {key!r} must be empty")
                 os.makedirs(path, exist_ok=True)
+                os.setxattr(path, MARKER_XATTR, b"1")
+                for name, value in (metadata or {}).items():
+                    os.setxattr(path, META_XATTR + name, value.encode())
                 return self._info(key, path, os.stat(path), False)
 
             def write(fd: int) -> None:
@@ -293,6 +304,7 @@ class LocalStore(ObjectStore):
             for key, path in paths:
                 try:
                     if key.endswith("/"):
+                        _drop_marker(path)
                         os.rmdir(path)
                     else:
                         os.unlink(path)
@@ -301,10 +313,12 @@ class LocalStore(ObjectStore):
                 except OSError as exc:
                     if exc.errno not in (errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
                         raise
-                # drop now-empty implicit parent directories, as S3 would
+                # drop now-empty implicit parent directories (not markers), as S3 would
                 parent = os.path.dirname(path)
                 while parent != self.root and parent.startswith(self.root):
                     try:
+                        if MARKER_XATTR in os.listxattr(parent):
+                            break
                         os.rmdir(parent)
                     except OSError:
                         break

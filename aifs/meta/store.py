@@ -1,7 +1,7 @@
-"""LMDB metadata store: a node's fast index of the lake.
+"""LMDB metadata store: a node's fast index of the lake plus its own dirty state.
 
 Every method is synchronous and runs one transaction; nothing awaits inside a
-transaction. Deleting the store costs a re-listing, never data.
+transaction. Deleting the store costs a re-listing and whatever was dirty.
 
 Key schema (integers are unsigned 64-bit big-endian, so keys sort numerically):
 
@@ -11,7 +11,13 @@ database   key                              value
 inode      ino                              Inode record (JSON)
 dentry     parent ino ++ name bytes         child ino ++ cookie
 cookie     parent ino ++ cookie             name bytes (readdir order: stable offsets)
-objkey     lake key, UTF-8 (dirs end "/")   ino (the same key keeps its number)
+objkey     lake key, UTF-8 (dirs end "/")   ino of the live inode that owns the key
+pending    ino                              empty: the inode has local state not yet in
+                                            the lake (``Inode.pending`` says which)
+tomb       lake key                         ino whose object must be deleted from the
+                                            lake (0: none); hidden from listings
+upload     ino                              JSON {key, upload_id}: a multipart upload
+                                            in progress (aborted after a crash)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"schema"                        schema version
 =========  ===============================  ==========================================
@@ -19,25 +25,38 @@ sys        b"next_ino" / b"next_cookie"     u64 counters
 A lookup is one get in ``dentry``; readdir is a range scan of ``cookie`` from
 the last cookie the kernel saw, so entries added or removed meanwhile never
 shift the others. Cookies are allocated from one counter and never reused.
+The environment is opened without fsync per commit (a killed daemon loses
+nothing: commits are in the page cache); ``sync()`` makes it durable.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import struct
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lmdb
 
+log = logging.getLogger(__name__)
+
 ROOT_INO = 1
 FILE = "file"
 DIR = "dir"
-SCHEMA_VERSION = b"1"
+LINK = "symlink"
+SCHEMA_VERSION = b"2"
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
+
+#: ``Inode.pending`` flags: what of the inode the lake does not have yet
+DATA = 1  # the local copy (or symlink target) is newer than the lake object
+META = 2  # attributes or xattrs are newer (for a directory: its marker object)
+#: ``Inode.etag`` of a new inode whose key may still hold an older object
+MAYBE_IN_LAKE = "?"
 
 
 def u64(value: int) -> bytes:
@@ -50,6 +69,10 @@ def valid_name(name: str) -> bool:
     return bool(raw) and name not in (".", "..") and len(raw) <= 255 and "\0" not in name
 
 
+def key_bytes(key: str) -> bytes:
+    return key.encode("utf-8", "surrogateescape")
+
+
 @dataclass
 class Inode:
     ino: int
@@ -57,13 +80,18 @@ class Inode:
     key: str
     parent: int
     size: int = 0
-    etag: str = ""
-    mtime: float = 0.0
-    mode: int = 0
-    uid: int = -1
+    etag: str = ""  # the lake version this inode's content came from ("" none)
+    mtime_ns: int = 0
+    mode: int = 0  # permission bits; 0 means the default for the kind
+    uid: int = -1  # -1: the mounting user
     gid: int = -1
     listed_at: float = 0.0
     orphan: bool = False
+    ctime: float = 0.0  # wall time of the last local change (listings never undo it)
+    attrs_known: bool = False  # mode/owner/xattrs/kind read from the object (or local)
+    pending: int = 0  # DATA | META
+    target: str = ""  # symlink target
+    xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -75,6 +103,11 @@ class Inode:
     @property
     def is_dir(self) -> bool:
         return self.kind == DIR
+
+    @property
+    def in_lake(self) -> bool:
+        """Whether an object may exist under this inode's key."""
+        return bool(self.etag)
 
 
 @dataclass(frozen=True)
@@ -92,24 +125,47 @@ class Listed:
 class MetaStore:
     def __init__(self, path: Path, map_size: int = 1 << 36) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True,
-                             readahead=False)
+        self.path = path
+        self.env = self._open(path, map_size)
+        if self.env is None:  # an older schema: it is only an index, rebuild it
+            log.warning("metadata in %s has an older schema: rebuilding from the lake", path)
+            shutil.rmtree(path)
+            path.mkdir(parents=True)
+            self.env = self._open(path, map_size)
+        assert self.env is not None
         self.inodes = self.env.open_db(b"inode")
         self.dentries = self.env.open_db(b"dentry")
         self.cookies = self.env.open_db(b"cookie")
         self.objkeys = self.env.open_db(b"objkey")
+        self.pendings = self.env.open_db(b"pending")
+        self.tombs = self.env.open_db(b"tomb")
+        self.uploads = self.env.open_db(b"upload")
         self.sys = self.env.open_db(b"sys")
         with self.env.begin(write=True) as txn:
-            version = txn.get(b"schema", db=self.sys)
-            if version not in (None, SCHEMA_VERSION):
-                raise RuntimeError(f"metadata schema {version!r} is not {SCHEMA_VERSION!r}")
             txn.put(b"schema", SCHEMA_VERSION, db=self.sys)
             if txn.get(u64(ROOT_INO), db=self.inodes) is None:
-                root = Inode(ROOT_INO, DIR, "", ROOT_INO)
+                root = Inode(ROOT_INO, DIR, "", ROOT_INO, attrs_known=True)
                 txn.put(u64(ROOT_INO), root.encode(), db=self.inodes)
 
+    @staticmethod
+    def _open(path: Path, map_size: int) -> lmdb.Environment | None:
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=12, subdir=True,
+                        readahead=False, sync=False, metasync=False)
+        sys_db = env.open_db(b"sys")
+        with env.begin(db=sys_db) as txn:
+            version = txn.get(b"schema")
+        if version not in (None, SCHEMA_VERSION):
+            env.close()
+            return None
+        return env
+
     def close(self) -> None:
+        self.env.sync(True)
         self.env.close()
+
+    def sync(self) -> None:
+        """Make every commit so far durable on the local disk."""
+        self.env.sync(True)
 
     # -- reads ------------------------------------------------------------
     def get(self, ino: int) -> Inode | None:
@@ -124,6 +180,12 @@ class MetaStore:
                 return None
             raw = txn.get(value[:8], db=self.inodes)
         return Inode.decode(raw) if raw else None
+
+    def owner_of(self, key: str) -> int | None:
+        """The live inode that owns lake key ``key``, if any."""
+        with self.env.begin() as txn:
+            raw = txn.get(key_bytes(key), db=self.objkeys)
+        return _U64.unpack(raw)[0] if raw else None
 
     def readdir(self, parent: int, after_cookie: int,
                 limit: int) -> list[tuple[int, bytes, Inode]]:
@@ -144,16 +206,63 @@ class MetaStore:
         return out
 
     def children_count(self, parent: int) -> int:
+        return sum(1 for _ in self._children(parent))
+
+    def _children(self, parent: int,
+                  txn: lmdb.Transaction | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(name, dentry value) of every child of ``parent``."""
         prefix = u64(parent)
-        count = 0
-        with self.env.begin() as txn:
+        own = txn is None
+        txn = txn or self.env.begin()
+        try:
             cursor = txn.cursor(db=self.dentries)
             if cursor.set_range(prefix):
-                for key in cursor.iternext(keys=True, values=False):
+                for key, value in cursor:
                     if not key.startswith(prefix):
                         break
-                    count += 1
-        return count
+                    yield bytes(key[8:]), bytes(value)
+        finally:
+            if own:
+                txn.abort()
+
+    def pending_inodes(self) -> list[Inode]:
+        """Every inode with local state not yet in the lake."""
+        with self.env.begin() as txn:
+            out = []
+            for key in txn.cursor(db=self.pendings).iternext(keys=True, values=False):
+                raw = txn.get(key, db=self.inodes)
+                if raw:
+                    out.append(Inode.decode(raw))
+        return out
+
+    def tombstones(self) -> dict[str, int]:
+        with self.env.begin() as txn:
+            return {bytes(k).decode("utf-8", "surrogateescape"): _U64.unpack(v)[0]
+                    for k, v in txn.cursor(db=self.tombs)}
+
+    def tombstoned(self, key: str) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(key_bytes(key), db=self.tombs) is not None
+
+    def tombstones_under(self, prefix: str) -> list[str]:
+        raw = key_bytes(prefix)
+        out = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.tombs)
+            if cursor.set_range(raw):
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(raw):
+                        break
+                    out.append(bytes(key).decode("utf-8", "surrogateescape"))
+        return out
+
+    def uploads_in_progress(self) -> dict[int, tuple[str, str]]:
+        with self.env.begin() as txn:
+            out = {}
+            for k, v in txn.cursor(db=self.uploads):
+                record = json.loads(v)
+                out[_U64.unpack(k)[0]] = (record["key"], record["upload_id"])
+        return out
 
     # -- writes -----------------------------------------------------------
     def _counter(self, txn: lmdb.Transaction, name: bytes, start: int) -> int:
@@ -162,38 +271,241 @@ class MetaStore:
         txn.put(name, u64(value + 1), db=self.sys)
         return value
 
-    def apply_listing(self, parent: int, listed: Iterable[Listed],
-                      now: float | None = None) -> list[int]:
+    def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
+        txn.put(u64(inode.ino), inode.encode(), db=self.inodes)
+        if inode.pending and not inode.orphan:
+            txn.put(u64(inode.ino), b"", db=self.pendings)
+        else:
+            txn.delete(u64(inode.ino), db=self.pendings)
+
+    def put(self, inode: Inode) -> None:
+        """Store an inode record as it is (and index its pending state)."""
+        with self.env.begin(write=True) as txn:
+            self._put(txn, inode)
+
+    def update(self, ino: int, **changes: object) -> Inode | None:
+        """Change some fields of a stored inode; return it as stored."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(u64(ino), db=self.inodes)
+            if not raw:
+                return None
+            inode = Inode.decode(raw)
+            for name, value in changes.items():
+                setattr(inode, name, value)
+            self._put(txn, inode)
+        return inode
+
+    def settle(self, ino: int, expect_key: str, done: int, **changes: object) -> Inode | None:
+        """After a promotion: clear ``done`` flags and apply ``changes`` if the
+        inode still has key ``expect_key`` (else nothing; it moved meanwhile)."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(u64(ino), db=self.inodes)
+            if not raw:
+                return None
+            inode = Inode.decode(raw)
+            if inode.key != expect_key:
+                return inode
+            for name, value in changes.items():
+                setattr(inode, name, value)
+            inode.pending &= ~done
+            self._put(txn, inode)
+        return inode
+
+    def create(self, parent: int, name: bytes, inode: Inode) -> Inode:
+        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here."""
+        with self.env.begin(write=True) as txn:
+            objkey = key_bytes(inode.key)
+            if txn.get(objkey, db=self.tombs) is not None and not inode.etag:
+                inode.etag = MAYBE_IN_LAKE  # an old object there is deleted or replaced
+            inode.ino = self._counter(txn, b"next_ino", 2)
+            cookie = self._counter(txn, b"next_cookie", 1)
+            txn.put(u64(parent) + name, _U64x2.pack(inode.ino, cookie), db=self.dentries)
+            txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
+            txn.put(objkey, u64(inode.ino), db=self.objkeys)
+            self._put(txn, inode)
+        return inode
+
+    def reincarnate(self, inode: Inode) -> Inode:
+        """Give an entry whose file type turned out different (a symlink object
+        listed as a file) a new inode number: the kernel cannot change the
+        type of an inode it knows. The old number becomes an orphan."""
+        with self.env.begin(write=True) as txn:
+            parent = self.get_parent_entry(txn, inode)
+            if parent is None:
+                return inode
+            name, value = parent
+            self._remove(txn, inode.parent, name, value, tomb=False)
+            inode.ino = self._counter(txn, b"next_ino", 2)
+            inode.orphan = False
+            cookie = self._counter(txn, b"next_cookie", 1)
+            txn.put(u64(inode.parent) + name, _U64x2.pack(inode.ino, cookie), db=self.dentries)
+            txn.put(u64(inode.parent) + u64(cookie), name, db=self.cookies)
+            txn.put(key_bytes(inode.key), u64(inode.ino), db=self.objkeys)
+            self._put(txn, inode)
+        return inode
+
+    def get_parent_entry(self, txn: lmdb.Transaction,
+                         inode: Inode) -> tuple[bytes, bytes] | None:
+        """(name, dentry value) of ``inode`` in its parent, found by its key."""
+        name = key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])
+        value = txn.get(u64(inode.parent) + name, db=self.dentries)
+        if value is None or _U64x2.unpack(value[:16])[0] != inode.ino:
+            return None
+        return name, bytes(value)
+
+    def remove(self, parent: int, name: bytes) -> Inode | None:
+        """Unlink ``name`` from ``parent``: the inode becomes an orphan and, if
+        the lake may hold its object, that key is tombstoned."""
+        with self.env.begin(write=True) as txn:
+            value = txn.get(u64(parent) + name, db=self.dentries)
+            if value is None:
+                return None
+            return self._remove(txn, parent, name, bytes(value), tomb=True)
+
+    def _remove(self, txn: lmdb.Transaction, parent: int, name: bytes, value: bytes,
+                tomb: bool) -> Inode | None:
+        ino, cookie = _U64x2.unpack(value[:16])
+        txn.delete(u64(parent) + name, db=self.dentries)
+        txn.delete(u64(parent) + u64(cookie), db=self.cookies)
+        raw = txn.get(u64(ino), db=self.inodes)
+        if not raw:
+            return None
+        inode = Inode.decode(raw)
+        objkey = key_bytes(inode.key)
+        if txn.get(objkey, db=self.objkeys) == u64(ino):
+            txn.delete(objkey, db=self.objkeys)
+            if tomb and (inode.in_lake or (inode.is_dir and not inode.pending & META)):
+                txn.put(objkey, u64(ino), db=self.tombs)
+        inode.orphan = True
+        self._put(txn, inode)
+        return inode
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               new_key: str, tombstones: Iterable[str] = (),
+               etags: dict[str, str] | None = None) -> tuple[Inode, Inode | None]:
+        """Move an entry (and, for a directory, the keys of its whole listed
+        subtree) to ``new_parent``/``new_name`` with lake key ``new_key``.
+
+        An entry already at the target is unlinked and returned. ``tombstones``
+        are old lake keys to delete; ``etags`` are the new ETags of objects
+        copied in the lake (by new key).
+        """
+        etags = etags or {}
+        with self.env.begin(write=True) as txn:
+            value = txn.get(u64(old_parent) + old_name, db=self.dentries)
+            if value is None:
+                raise KeyError(old_name)
+            ino, _ = _U64x2.unpack(value[:16])
+            replaced = None
+            target = txn.get(u64(new_parent) + new_name, db=self.dentries)
+            if target is not None:
+                replaced = self._remove(txn, new_parent, new_name, bytes(target), tomb=True)
+            self._remove_dentry(txn, old_parent, old_name, bytes(value))
+            cookie = self._counter(txn, b"next_cookie", 1)
+            txn.put(u64(new_parent) + new_name, _U64x2.pack(ino, cookie), db=self.dentries)
+            txn.put(u64(new_parent) + u64(cookie), new_name, db=self.cookies)
+            now = time.time()
+            self._rekey(txn, ino, new_key, etags, now, parent=new_parent)
+            for key in tombstones:
+                if txn.get(key_bytes(key), db=self.objkeys) is None:
+                    txn.put(key_bytes(key), u64(0), db=self.tombs)
+            moved = Inode.decode(txn.get(u64(ino), db=self.inodes))
+        return moved, replaced
+
+    def _remove_dentry(self, txn: lmdb.Transaction, parent: int, name: bytes,
+                       value: bytes) -> None:
+        _, cookie = _U64x2.unpack(value[:16])
+        txn.delete(u64(parent) + name, db=self.dentries)
+        txn.delete(u64(parent) + u64(cookie), db=self.cookies)
+
+    def _rekey(self, txn: lmdb.Transaction, ino: int, new_key: str, etags: dict[str, str],
+               now: float, parent: int | None = None) -> None:
+        inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
+        old = key_bytes(inode.key)
+        if txn.get(old, db=self.objkeys) == u64(ino):
+            txn.delete(old, db=self.objkeys)
+        inode.key = new_key
+        if parent is not None:
+            inode.parent = parent
+        if new_key in etags:
+            inode.etag = etags[new_key]
+        elif not inode.is_dir:
+            # No object of its own under the new key; an older one may be there.
+            tombed = txn.get(key_bytes(new_key), db=self.tombs) is not None
+            inode.etag = MAYBE_IN_LAKE if tombed else ""
+        inode.ctime = now
+        txn.put(key_bytes(new_key), u64(ino), db=self.objkeys)
+        self._put(txn, inode)
+        if inode.is_dir:
+            for name, value in list(self._children(ino, txn)):
+                child = _U64x2.unpack(value[:16])[0]
+                kind = Inode.decode(txn.get(u64(child), db=self.inodes)).kind
+                suffix = "/" if kind == DIR else ""
+                self._rekey(txn, child,
+                            new_key + name.decode("utf-8", "surrogateescape") + suffix,
+                            etags, now)
+
+    def add_tombstone(self, key: str, ino: int = 0) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(key_bytes(key), u64(ino), db=self.tombs)
+
+    def drop_tombstone(self, key: str) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(key_bytes(key), db=self.tombs)
+
+    def record_upload(self, ino: int, key: str, upload_id: str | None) -> None:
+        with self.env.begin(write=True) as txn:
+            if upload_id is None:
+                txn.delete(u64(ino), db=self.uploads)
+            else:
+                txn.put(u64(ino), json.dumps({"key": key, "upload_id": upload_id}).encode(),
+                        db=self.uploads)
+
+    def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
+                      started: float | None = None) -> list[int]:
         """Make ``parent``'s children match a fresh LIST; return inodes removed.
 
+        Local state wins over the listing: tombstoned keys stay hidden, entries
+        with pending changes or changed locally since the LIST ``started``
+        stay as they are. An object whose ETag changed is another writer's new
+        version: its size and mtime are taken and its attributes read anew.
         Removed inodes stay as orphans until the kernel forgets them.
         """
         prefix = u64(parent)
         removed: list[int] = []
+        started = time.time() if started is None else started
         with self.env.begin(write=True) as txn:
-            existing: dict[bytes, bytes] = {}
-            cursor = txn.cursor(db=self.dentries)
-            if cursor.set_range(prefix):
-                for key, value in cursor:
-                    if not key.startswith(prefix):
-                        break
-                    existing[bytes(key[8:])] = bytes(value)
+            existing = dict(self._children(parent, txn))
             for entry in listed:
-                name = entry.name.encode("utf-8", "surrogateescape")
+                name = key_bytes(entry.name)
+                if txn.get(key_bytes(entry.key), db=self.tombs) is not None:
+                    continue
                 value = existing.pop(name, None)
                 if value is not None:
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
-                    if current.kind == entry.kind:
-                        if (current.size, current.etag, current.mtime, current.key) != (
-                                entry.size, entry.etag, entry.mtime, entry.key):
-                            current.size, current.etag = entry.size, entry.etag
-                            current.mtime, current.key = entry.mtime, entry.key
-                            txn.put(value[:8], current.encode(), db=self.inodes)
+                    if current.pending or current.ctime >= started:
                         continue
-                    removed.append(self._unlink(txn, parent, name, value))
+                    if current.kind == entry.kind or (current.kind == LINK
+                                                      and entry.kind == FILE):
+                        if current.etag != entry.etag or current.key != entry.key:
+                            current.size, current.etag = entry.size, entry.etag
+                            current.mtime_ns, current.key = int(entry.mtime * 1e9), entry.key
+                            if current.kind != DIR:
+                                current.attrs_known = False
+                                current.kind = entry.kind
+                            self._put(txn, current)
+                        continue
+                    removed.append(_U64x2.unpack(value[:16])[0])
+                    self._remove(txn, parent, name, value, tomb=False)
                 self._link(txn, parent, name, entry)
             for name, value in existing.items():
-                removed.append(self._unlink(txn, parent, name, value))
+                raw = txn.get(value[:8], db=self.inodes)
+                if raw:
+                    current = Inode.decode(raw)
+                    if current.pending or current.ctime >= started:
+                        continue
+                removed.append(_U64x2.unpack(value[:16])[0])
+                self._remove(txn, parent, name, value, tomb=False)
             raw = txn.get(prefix, db=self.inodes)
             if raw:
                 dir_inode = Inode.decode(raw)
@@ -202,27 +514,16 @@ class MetaStore:
         return removed
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed) -> int:
-        objkey = entry.key.encode("utf-8", "surrogateescape")
+        objkey = key_bytes(entry.key)
         raw_ino = txn.get(objkey, db=self.objkeys)
         ino = _U64.unpack(raw_ino)[0] if raw_ino else self._counter(txn, b"next_ino", 2)
         cookie = self._counter(txn, b"next_cookie", 1)
-        inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag, entry.mtime)
+        inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
+                      int(entry.mtime * 1e9))
         txn.put(u64(ino), inode.encode(), db=self.inodes)
         txn.put(u64(parent) + name, _U64x2.pack(ino, cookie), db=self.dentries)
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
         txn.put(objkey, u64(ino), db=self.objkeys)
-        return ino
-
-    def _unlink(self, txn: lmdb.Transaction, parent: int, name: bytes, value: bytes) -> int:
-        ino, cookie = _U64x2.unpack(value[:16])
-        txn.delete(u64(parent) + name, db=self.dentries)
-        txn.delete(u64(parent) + u64(cookie), db=self.cookies)
-        raw = txn.get(u64(ino), db=self.inodes)
-        if raw:
-            inode = Inode.decode(raw)
-            txn.delete(inode.key.encode("utf-8", "surrogateescape"), db=self.objkeys)
-            inode.orphan = True
-            txn.put(u64(ino), inode.encode(), db=self.inodes)
         return ino
 
     def delete_orphan(self, ino: int) -> None:
@@ -236,27 +537,20 @@ class MetaStore:
             return
         inode = Inode.decode(raw)
         if inode.is_dir:
-            prefix = u64(ino)
-            children: list[tuple[bytes, bytes]] = []
-            cursor = txn.cursor(db=self.dentries)
-            if cursor.set_range(prefix):
-                for key, value in cursor:
-                    if not key.startswith(prefix):
-                        break
-                    children.append((bytes(key[8:]), bytes(value)))
-            for name, value in children:
-                child = self._unlink(txn, ino, name, value)
-                self._delete_tree(txn, child)
+            for name, value in list(self._children(ino, txn)):
+                self._remove(txn, ino, name, value, tomb=False)
+                self._delete_tree(txn, _U64x2.unpack(value[:16])[0])
         txn.delete(u64(ino), db=self.inodes)
+        txn.delete(u64(ino), db=self.pendings)
 
-    def purge_orphans(self) -> int:
+    def purge_orphans(self) -> list[int]:
         """At mount time no kernel reference exists: drop every orphan."""
         with self.env.begin(write=True) as txn:
             orphans = [Inode.decode(v).ino for _, v in txn.cursor(db=self.inodes)
                        if b'"orphan":true' in v]
             for ino in orphans:
                 self._delete_tree(txn, ino)
-        return len(orphans)
+        return orphans
 
     def expire_all(self) -> None:
         """Mark every directory listing stale (for a remount after a long pause)."""

@@ -25,6 +25,21 @@ from aifs.lake.base import ObjectStore
 log = logging.getLogger(__name__)
 
 
+async def read_at(fd: int, offset: int, length: int,
+                  limiter: trio.CapacityLimiter) -> bytes | memoryview:
+    """Read a local file: inline when the page cache has it, else in a thread."""
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        got = 0
+    if got < length:
+        view = memoryview(buf)[got:]
+        got += await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
+                                              limiter=limiter)
+    return memoryview(buf)[:got]
+
+
 @dataclass
 class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
@@ -105,18 +120,7 @@ class BlockFetcher:
         return fd
 
     async def _read_file(self, fd: int, offset: int, length: int) -> bytes | memoryview:
-        """Read from a cached block: inline when the page cache has it, else in a thread."""
-        buf = bytearray(length)
-        try:
-            got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
-        except BlockingIOError:
-            got = 0
-        if got < length:
-            view = memoryview(buf)[got:]
-            rest = await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
-                                                 limiter=self._disk_limiter)
-            got += rest
-        return memoryview(buf)[:got]
+        return await read_at(fd, offset, length, self._disk_limiter)
 
     async def block(self, version: ObjectVersion, index: int) -> bytes:
         """The whole block ``index`` of ``version``."""

@@ -1,0 +1,157 @@
+"""Whole local copies of files on the NVMe tier: the write-back data.
+
+A file written through the mount lives here, as ``files/<ino>``, until it is
+promoted to the lake and after that as clean cached data that reads are
+served from, until eviction. The file's own size is the truth for its size
+(after a crash too). Dirty copies are never evicted; clean ones are, least
+recently used first, when the cache needs room.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class LocalFiles:
+    def __init__(self, directory: Path, in_use: Callable[[int], bool] = lambda ino: False,
+                 max_open: int = 512) -> None:
+        self.in_use = in_use  # open through the mount: keep the copy and its descriptor
+        self.root = directory / "files"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._sizes: dict[int, int] = {}
+        self._clean: OrderedDict[int, None] = OrderedDict()
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self.max_open = max_open
+        self.used = 0
+        self.evictions = 0
+        for entry in os.scandir(self.root):
+            if entry.name.isdigit():
+                self._account(int(entry.name), entry.stat().st_size)
+            else:
+                os.unlink(entry.path)  # a materialization cut short
+
+    # -- accounting ------------------------------------------------------
+    def _account(self, ino: int, size: int) -> None:
+        with self._lock:
+            self.used += size - self._sizes.get(ino, 0)
+            self._sizes[ino] = size
+
+    def resized(self, ino: int, size: int) -> None:
+        if self._sizes.get(ino) != size:
+            self._account(ino, size)
+
+    @property
+    def dirty_bytes(self) -> int:
+        with self._lock:
+            return sum(size for ino, size in self._sizes.items() if ino not in self._clean)
+
+    def has(self, ino: int) -> bool:
+        return ino in self._sizes
+
+    def inos(self) -> list[int]:
+        return list(self._sizes)
+
+    def path(self, ino: int) -> Path:
+        return self.root / str(ino)
+
+    def mark_clean(self, ino: int) -> None:
+        """The lake has this copy's content: it may be evicted."""
+        with self._lock:
+            if ino in self._sizes:
+                self._clean[ino] = None
+                self._clean.move_to_end(ino)
+
+    def mark_dirty(self, ino: int) -> None:
+        with self._lock:
+            self._clean.pop(ino, None)
+
+    def touch(self, ino: int) -> None:
+        with self._lock:
+            if ino in self._clean:
+                self._clean.move_to_end(ino)
+
+    # -- descriptors -------------------------------------------------------
+    def fd(self, ino: int) -> int:
+        """An open read-write descriptor of the copy (which must exist)."""
+        fd = self._fds.get(ino)
+        if fd is not None:
+            self._fds.move_to_end(ino)
+            return fd
+        fd = os.open(self.path(ino), os.O_RDWR)
+        self._fds[ino] = fd
+        self._close_extra()
+        return fd
+
+    def _close_extra(self) -> None:
+        if len(self._fds) <= self.max_open:
+            return
+        for ino in list(self._fds):
+            if len(self._fds) <= self.max_open:
+                break
+            if not self.in_use(ino):
+                os.close(self._fds.pop(ino))
+
+    def create(self, ino: int) -> int:
+        """A new, empty copy; returns its descriptor."""
+        self._drop_fd(ino)
+        fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fds[ino] = fd
+        self._account(ino, 0)
+        self._close_extra()
+        return fd
+
+    def adopt(self, ino: int, tmp: Path) -> None:
+        """Install a fully written temporary file as the copy of ``ino``."""
+        self._drop_fd(ino)
+        os.rename(tmp, self.path(ino))
+        self._account(ino, os.stat(self.path(ino)).st_size)
+
+    def tmp_path(self, ino: int) -> Path:
+        return self.root / f"tmp-{ino}"
+
+    def _drop_fd(self, ino: int) -> None:
+        fd = self._fds.pop(ino, None)
+        if fd is not None:
+            os.close(fd)
+
+    def remove(self, ino: int) -> None:
+        self._drop_fd(ino)
+        with self._lock:
+            size = self._sizes.pop(ino, None)
+            self._clean.pop(ino, None)
+            if size is not None:
+                self.used -= size
+        try:
+            os.unlink(self.path(ino))
+        except FileNotFoundError:
+            pass
+
+    def evict(self, wanted: int) -> int:
+        """Drop clean copies not in use, oldest first, until ``wanted`` bytes are free."""
+        freed = 0
+        for ino in list(self._clean):
+            if freed >= wanted:
+                break
+            if self.in_use(ino):
+                continue
+            freed += self._sizes.get(ino, 0)
+            self.remove(ino)
+            self.evictions += 1
+        return freed
+
+    def sync(self, ino: int) -> None:
+        if ino in self._sizes:
+            os.fsync(self.fd(ino))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,5 @@
+"""Promotion of local changes to the lake."""
+
+from aifs.flush.promoter import Promoter
+
+__all__ = ["Promoter"]

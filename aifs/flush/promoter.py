@@ -1,0 +1,406 @@
+"""Promotion: local changes reach the lake in the background.
+
+What is pending is recorded in LMDB (``Inode.pending`` and tombstones), so
+this module keeps only a schedule in memory and rebuilds it at start: after a
+crash every dirty inode is promoted again from its local copy, and multipart
+uploads the crash left open are aborted. An object appears under a file's key
+only by a complete PUT or a completed multipart upload, so the lake never
+shows a partial file. A file changed while its upload ran is uploaded again;
+the stale upload is abandoned before completion (multipart) or replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from aifs.cache.files import LocalFiles
+from aifs.config import Config
+from aifs.errors import LakeError, ObjectNotFound
+from aifs.lake.base import ObjectInfo, ObjectStore
+from aifs.meta.objattrs import to_metadata
+from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, Inode, MetaStore
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MIN_PART = 5 * MiB
+MAX_PARTS = 10_000
+PARTS_PER_STEP = 1000  # the part size doubles every this many parts
+
+
+def part_size(number: int, base: int) -> int:
+    """Size of part ``number`` (1-based) of a multipart upload.
+
+    Parts grow (doubling every 1000) so that an object of any size S3 allows
+    (5 TiB) fits in 10,000 parts without knowing its size in advance.
+    """
+    return max(base, MIN_PART) << ((number - 1) // PARTS_PER_STEP)
+
+
+def plan_parts(size: int, base: int) -> list[tuple[int, int, int]]:
+    """(part number, offset, length) covering ``size`` bytes."""
+    parts, offset, number = [], 0, 1
+    while offset < size or number == 1:
+        length = min(part_size(number, base), size - offset)
+        parts.append((number, offset, length))
+        offset += length
+        number += 1
+        if number > MAX_PARTS and offset < size:
+            raise LakeError(f"{size} bytes do not fit in {MAX_PARTS} parts")
+    return parts
+
+
+class Host(Protocol):
+    """What the promoter asks of the filesystem (``core.Filesystem``)."""
+
+    def promotable(self, ino: int, force: bool) -> Inode | None: ...
+    def change_count(self, ino: int) -> int: ...
+    def is_open(self, ino: int) -> bool: ...
+    def promoted(self, ino: int, inode: Inode) -> None: ...
+
+
+@dataclass
+class PromoteStats:
+    uploads: int = 0
+    upload_bytes: int = 0
+    metadata_updates: int = 0
+    deletes: int = 0
+    failures: int = 0
+
+
+class Promoter:
+    def __init__(self, host: Host, store: ObjectStore, meta: MetaStore, files: LocalFiles,
+                 config: Config, uid: int, gid: int) -> None:
+        self.host = host
+        self.store = store
+        self.meta = meta
+        self.files = files
+        self.config = config
+        self.uid, self.gid = uid, gid
+        self._due: dict[int, float] = {}
+        self._forced: set[int] = set()
+        self._active: set[int] = set()
+        self._failures: dict[int, tuple[int, str, float]] = {}  # ino -> (count, why, when)
+        self._busy_keys: set[str] = set()
+        self._tombs_due: float | None = 0.0
+        self._deleting = False
+        self._wake = trio.Event()
+        self._progress = trio.Event()
+        self._slots = trio.Semaphore(max(1, config.promote_workers))
+        self.stats = PromoteStats()
+
+    # -- schedule -----------------------------------------------------------
+    def schedule(self, ino: int, delay: float | None = None, force: bool = False) -> None:
+        """Promote ``ino`` after ``delay`` seconds (default: promote_delay)."""
+        delay = self.config.promote_delay if delay is None else delay
+        due = trio.current_time() + delay
+        if ino in self._due and not force:
+            due = max(due, self._due[ino])  # a newer change restarts the delay
+        self._due[ino] = due
+        if force:
+            self._forced.add(ino)
+        self._wake.set()
+
+    def tombstones_changed(self, delay: float = 0.0) -> None:
+        due = trio.current_time() + delay
+        self._tombs_due = due if self._tombs_due is None else min(self._tombs_due, due)
+        self._wake.set()
+
+    def _changed(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    async def run(self) -> None:
+        """The promotion loop (runs until cancelled)."""
+        await self._abort_leftover_uploads()
+        for inode in self.meta.pending_inodes():
+            self.schedule(inode.ino, 0.0)
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = trio.current_time()
+                for ino in sorted(self._due, key=self._due.__getitem__):
+                    if self._due[ino] > now or self._slots.value == 0:
+                        break
+                    if ino in self._active:
+                        continue
+                    del self._due[ino]
+                    force = ino in self._forced
+                    self._forced.discard(ino)
+                    self._active.add(ino)
+                    self._slots.acquire_nowait()
+                    nursery.start_soon(self._promote_task, ino, force)
+                if (self._tombs_due is not None and self._tombs_due <= now
+                        and not self._deleting):
+                    self._tombs_due = None
+                    self._deleting = True
+                    nursery.start_soon(self._delete_task)
+                upcoming = [d for i, d in self._due.items() if i not in self._active]
+                if self._tombs_due is not None and not self._deleting:
+                    upcoming.append(self._tombs_due)
+                with trio.move_on_at(min(upcoming, default=math.inf)):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    # -- one inode ------------------------------------------------------------
+    async def _promote_task(self, ino: int, force: bool) -> None:
+        try:
+            await self._promote(ino, force)
+            self._failures.pop(ino, None)
+        except LakeError as exc:
+            count = self._failures.get(ino, (0, "", 0.0))[0] + 1
+            self._failures[ino] = (count, str(exc), trio.current_time())
+            self.stats.failures += 1
+            pause = min(60.0, 2.0 ** count)
+            log.warning("promotion of inode %d failed (%s); next try in %.0fs", ino, exc, pause)
+            self.schedule(ino, pause)
+        except Exception as exc:  # a bug must not end the promotion loop
+            log.exception("promotion of inode %d failed", ino)
+            self._failures[ino] = (1, repr(exc), trio.current_time())
+            self.schedule(ino, 30.0)
+        finally:
+            self._active.discard(ino)
+            self._slots.release()
+            self._wake.set()
+            self._changed()
+
+    async def _promote(self, ino: int, force: bool) -> None:
+        inode = self.host.promotable(ino, force)
+        if inode is None or not inode.pending:
+            return
+        if inode.key in self._busy_keys:
+            self.schedule(ino, 0.1)
+            return
+        version = self.host.change_count(ino)
+        key = inode.key
+        if inode.pending & DATA:
+            info = await self._upload(inode, version)
+        else:
+            info = await self._write_metadata(inode)
+        if info is None or self.host.change_count(ino) != version:
+            self.schedule(ino)  # changed meanwhile: promote the newer state later
+            return
+        done = inode.pending
+        settled = self.meta.settle(ino, key, done, etag=info.etag)
+        if settled is None:
+            return
+        if settled.key != key:
+            # Renamed during the upload: the object under the old key is stale.
+            if self.meta.owner_of(key) is None:
+                self.meta.add_tombstone(key)
+                self.tombstones_changed()
+            self.schedule(ino, 0.0)
+            return
+        if done & DATA and not settled.pending:
+            self.files.mark_clean(ino)
+        self.host.promoted(ino, settled)
+
+    async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:
+        metadata = to_metadata(inode, self.uid, self.gid)
+        if inode.etag and inode.etag != MAYBE_IN_LAKE:
+            await self._warn_if_replaced(inode)
+        if inode.kind == LINK:
+            data = inode.target.encode("utf-8", "surrogateescape")
+            return await self._put(inode.key, data, metadata)
+        if not self.files.has(inode.ino):
+            log.error("%s: local copy of inode %d is missing; it cannot be promoted",
+                      inode.key, inode.ino)
+            self.meta.update(inode.ino, pending=inode.pending & ~DATA)
+            return None
+        path = self.files.path(inode.ino)
+        size = await trio.to_thread.run_sync(os.path.getsize, path)
+        if size < self.config.multipart_threshold:
+            data = await trio.to_thread.run_sync(_read_all, path)
+            if self.host.change_count(inode.ino) != version:
+                return None
+            return await self._put(inode.key, data, metadata)
+        return await self._multipart(inode, path, size, metadata, version)
+
+    async def _put(self, key: str, data: bytes, metadata: dict[str, str]) -> ObjectInfo:
+        info = await self.store.put(key, data, metadata)
+        self.stats.uploads += 1
+        self.stats.upload_bytes += len(data)
+        return info
+
+    async def _multipart(self, inode: Inode, path: os.PathLike[str] | str, size: int,
+                         metadata: dict[str, str], version: int) -> ObjectInfo | None:
+        key = inode.key
+        upload_id = await self.store.create_multipart(key, metadata)
+        self.meta.record_upload(inode.ino, key, upload_id)
+        etags: list[tuple[int, str]] = []
+        in_flight = trio.Semaphore(max(1, self.config.parts_in_flight))
+        completed = False
+        try:
+            with open(path, "rb") as fp:
+                async with trio.open_nursery() as nursery:
+                    for number, offset, length in plan_parts(size, self.config.part_size):
+                        await in_flight.acquire()
+                        if self.host.change_count(inode.ino) != version:
+                            break  # changed: stop reading, abandon this upload
+                        nursery.start_soon(self._send_part, key, upload_id, fp.fileno(),
+                                           number, offset, length, etags, in_flight)
+            if self.host.change_count(inode.ino) != version:
+                return None
+            info = await self.store.complete_multipart(key, upload_id, etags)
+            completed = True
+            self.stats.uploads += 1
+            self.stats.upload_bytes += size
+            return info
+        finally:
+            if not completed:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.store.abort_multipart(key, upload_id)
+                    except LakeError as exc:
+                        log.warning("abort of upload %s of %s failed: %s", upload_id, key, exc)
+                        return None  # kept in the record: aborted at the next start
+            self.meta.record_upload(inode.ino, key, None)
+
+    async def _send_part(self, key: str, upload_id: str, fd: int, number: int, offset: int,
+                         length: int, etags: list[tuple[int, str]],
+                         in_flight: trio.Semaphore) -> None:
+        try:
+            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+            if len(data) != length:
+                raise LakeError(f"{key}: local copy shrank during upload")
+            etags.append((number, await self.store.upload_part(key, upload_id, number, data)))
+        finally:
+            in_flight.release()
+
+    async def _write_metadata(self, inode: Inode) -> ObjectInfo | None:
+        metadata = to_metadata(inode, self.uid, self.gid)
+        self.stats.metadata_updates += 1
+        if inode.is_dir:
+            if not inode.key:
+                return ObjectInfo("", 0, "", 0.0)  # the root has no marker
+            return await self.store.put(inode.key, b"", metadata)
+        try:
+            return await self.store.copy(inode.key, inode.key, metadata)
+        except ObjectNotFound:
+            if self.files.has(inode.ino):  # gone from the lake: upload our copy
+                self.meta.update(inode.ino, pending=inode.pending | DATA)
+                return None
+            raise
+
+    async def _warn_if_replaced(self, inode: Inode) -> None:
+        try:
+            current = await self.store.head(inode.key)
+        except ObjectNotFound:
+            return
+        if current.etag != inode.etag:
+            log.warning("%s changed in the lake since this node read it; this node's "
+                        "version replaces it", inode.key)
+
+    async def _abort_leftover_uploads(self) -> None:
+        for ino, (key, upload_id) in self.meta.uploads_in_progress().items():
+            try:
+                await self.store.abort_multipart(key, upload_id)
+                log.info("aborted multipart upload of %s left by an earlier run", key)
+            except LakeError as exc:
+                log.warning("cannot abort upload %s of %s: %s", upload_id, key, exc)
+                continue
+            self.meta.record_upload(ino, key, None)
+
+    # -- deletes ----------------------------------------------------------------
+    async def _delete_task(self) -> None:
+        try:
+            while await self._delete_round():
+                pass
+        except LakeError as exc:
+            log.warning("deleting from the lake failed (%s); retrying in 5s", exc)
+            self.stats.failures += 1
+            self.tombstones_changed(5.0)
+        finally:
+            self._deleting = False
+            self._wake.set()
+            self._changed()
+
+    async def _delete_round(self) -> bool:
+        """Delete what tombstones ask for; True if another round may delete more."""
+        tombs = self.meta.tombstones()
+        batch: list[str] = []
+        deferred = False
+        for key in sorted(tombs, key=lambda k: (-k.count("/"), k)):
+            if self.meta.owner_of(key) is not None:
+                self.meta.drop_tombstone(key)  # a live inode's upload replaces it
+                continue
+            if tombs[key] and self.host.is_open(tombs[key]):
+                deferred = True  # still read through an open handle
+                continue
+            if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
+                deferred = True  # the marker goes last: the prefix stays hidden
+                continue
+            batch.append(key)
+            if len(batch) >= 1000:
+                break
+        if batch:
+            self._busy_keys.update(batch)
+            try:
+                await self.store.delete_many(batch)
+            finally:
+                self._busy_keys.difference_update(batch)
+            self.stats.deletes += len(batch)
+            for key in batch:
+                self.meta.drop_tombstone(key)
+            self._changed()
+            return True
+        if deferred:
+            self.tombstones_changed(1.0)
+        return False
+
+    # -- waiting for the lake ----------------------------------------------------
+    def hurry(self) -> bool:
+        """The cache needs room: promote what waits for its delay now. False if
+        nothing promotable is left (or all of it keeps failing)."""
+        now = trio.current_time()
+        hopeful = False
+        for ino in self._due:
+            if ino not in self._failures:
+                self._due[ino] = min(self._due[ino], now)
+                hopeful = True
+        self._wake.set()
+        return hopeful or any(ino not in self._failures for ino in self._active)
+
+    async def wait_progress(self, timeout: float = 1.0) -> None:
+        with trio.move_on_after(timeout):
+            await self._progress.wait()
+
+    def summary(self) -> dict[str, int]:
+        pending = self.meta.pending_inodes()
+        return {"files": len(pending),
+                "bytes": sum(i.size for i in pending if i.pending & DATA),
+                "deletes": len(self.meta.tombstones()),
+                "uploading": len(self._active)}
+
+    async def sync(self, selects: Callable[[Inode], bool], key_prefix: str) -> None:
+        """Return once every pending change selected (and every tombstone under
+        ``key_prefix``) is in the lake; raise LakeError if one keeps failing."""
+        started = trio.current_time()
+        while True:
+            waiting = [i for i in self.meta.pending_inodes() if selects(i)]
+            tombs = self.meta.tombstones_under(key_prefix)
+            if not waiting and not tombs:
+                return
+            for inode in waiting:
+                failure = self._failures.get(inode.ino)
+                if failure and failure[2] >= started and failure[0] >= 2:
+                    raise LakeError(f"{inode.key}: {failure[1]}")
+                if inode.ino not in self._active and (
+                        inode.ino not in self._forced or inode.ino not in self._due):
+                    self.schedule(inode.ino, 0.0, force=True)
+            if tombs:
+                self.tombstones_changed()
+            progress = self._progress
+            with trio.move_on_after(1.0):
+                await progress.wait()
+
+
+def _read_all(path: os.PathLike[str] | str) -> bytes:
+    with open(path, "rb") as fp:
+        return fp.read()
