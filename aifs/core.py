@@ -129,6 +129,7 @@ class Filesystem:
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
         self._disk = trio.CapacityLimiter(8)
+        self._stale_local: set[int] = set()  # dropped once no handle reads them
         self._warned: set[str] = set()
         self.flush_on_unmount = True
         local.in_use = self._is_open
@@ -255,10 +256,16 @@ class Filesystem:
                     continue
                 entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
         # A file listed before the directory of the same name loses too.
-        removed = await trio.to_thread.run_sync(
+        removed, replaced = await trio.to_thread.run_sync(
             self.meta.apply_listing, directory.ino, list(entries.values()), started, started)
         for ino in removed:
             self._free_if_unused(ino)
+        for ino in replaced:  # another writer's version: our clean copy is stale
+            if self.local.has(ino):
+                if self._is_open(ino):
+                    self._stale_local.add(ino)
+                else:
+                    self.local.remove(ino)
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     def _acceptable(self, directory: Inode, name: str, key: str) -> bool:
@@ -815,6 +822,9 @@ class Filesystem:
             self._opens[ino] = left
             return
         self._opens.pop(ino, None)
+        if ino in self._stale_local:
+            self._stale_local.discard(ino)
+            self.local.remove(ino)
         self._free_if_unused(ino)
         self.promoter.tombstones_changed()
 

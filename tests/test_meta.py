@@ -33,8 +33,8 @@ def test_listing_updates_and_removes(tmp_path):
     meta.apply_listing(ROOT_INO, _files("a", "b", "c"))
     b = meta.lookup(ROOT_INO, b"b")
     changed = [Listed("a", FILE, "a", 99, "new", 2.0), *_files("c")]
-    removed = meta.apply_listing(ROOT_INO, changed)
-    assert removed == [b.ino]
+    removed, replaced = meta.apply_listing(ROOT_INO, changed)
+    assert removed == [b.ino] and replaced == [meta.lookup(ROOT_INO, b"a").ino]
     assert meta.get(b.ino).orphan and meta.lookup(ROOT_INO, b"b") is None
     assert meta.lookup(ROOT_INO, b"a").etag == "new"
     meta.delete_orphan(b.ino)
@@ -61,3 +61,35 @@ def test_readdir_cookies_are_stable(tmp_path):
         cookie = batch[-1][0]
     assert rest == [n for n in names[1000:] if n != "f1500"] + ["zz-new"]
     assert meta.children_count(ROOT_INO) == len(survivors)
+
+
+def test_local_state_wins_over_listings(tmp_path):
+    from aifs.meta.store import DATA, Inode
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, _files("old", "gone"))
+    new = meta.create(ROOT_INO, b"new", Inode(0, FILE, "new", ROOT_INO, pending=DATA))
+    meta.remove(ROOT_INO, b"gone")  # deleted here, not yet in the lake
+    assert meta.tombstoned("gone")
+    # a LIST that does not know "new" yet and still shows "gone"
+    meta.apply_listing(ROOT_INO, _files("old", "gone"), started=0.0)
+    assert meta.lookup(ROOT_INO, b"new").ino == new.ino
+    assert meta.lookup(ROOT_INO, b"gone") is None
+    assert [i.ino for i in meta.pending_inodes()] == [new.ino]
+
+
+def test_rename_rekeys_the_subtree(tmp_path):
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, [Listed("d", DIR, "d/")])
+    d = meta.lookup(ROOT_INO, b"d")
+    meta.apply_listing(d.ino, [*_files("x", prefix="d/"), Listed("s", DIR, "d/s/")])
+    s = meta.lookup(d.ino, b"s")
+    meta.apply_listing(s.ino, _files("y", prefix="d/s/"))
+    moved, replaced = meta.rename(ROOT_INO, b"d", ROOT_INO, b"e", "e/",
+                                  tombstones=["d/x", "d/s/y", "d/"],
+                                  etags={"e/x": "ex", "e/s/y": "ey"})
+    assert replaced is None and moved.key == "e/"
+    assert meta.lookup(ROOT_INO, b"d") is None
+    y = meta.lookup(meta.lookup(moved.ino, b"s").ino, b"y")
+    assert (y.key, y.etag) == ("e/s/y", "ey")
+    assert meta.owner_of("e/s/y") == y.ino and meta.owner_of("d/s/y") is None
+    assert sorted(meta.tombstones()) == ["d/", "d/s/y", "d/x"]

@@ -462,8 +462,9 @@ class MetaStore:
                         db=self.uploads)
 
     def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
-                      started: float | None = None) -> list[int]:
-        """Make ``parent``'s children match a fresh LIST; return inodes removed.
+                      started: float | None = None) -> tuple[list[int], list[int]]:
+        """Make ``parent``'s children match a fresh LIST; return the inodes
+        removed and those whose object another writer replaced.
 
         Local state wins over the listing: tombstoned keys stay hidden, entries
         with pending changes or changed locally since the LIST ``started``
@@ -473,6 +474,7 @@ class MetaStore:
         """
         prefix = u64(parent)
         removed: list[int] = []
+        replaced: list[int] = []
         started = time.time() if started is None else started
         with self.env.begin(write=True) as txn:
             existing = dict(self._children(parent, txn))
@@ -488,6 +490,7 @@ class MetaStore:
                     if current.kind == entry.kind or (current.kind == LINK
                                                       and entry.kind == FILE):
                         if current.etag != entry.etag or current.key != entry.key:
+                            replaced.append(current.ino)
                             current.size, current.etag = entry.size, entry.etag
                             current.mtime_ns, current.key = int(entry.mtime * 1e9), entry.key
                             if current.kind != DIR:
@@ -511,7 +514,7 @@ class MetaStore:
                 dir_inode = Inode.decode(raw)
                 dir_inode.listed_at = time.time() if now is None else now
                 txn.put(prefix, dir_inode.encode(), db=self.inodes)
-        return removed
+        return removed, replaced
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed) -> int:
         objkey = key_bytes(entry.key)
