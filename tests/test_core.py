@@ -195,3 +195,12 @@ async def test_keep_cache_only_for_unchanged_objects(fs, tmp_path):
     fh3, keep3 = fs.open(small.ino, os.O_RDONLY)
     assert keep3 is False
     assert await fs.read(fh3, 0, 100) == b"changed"
+
+
+async def test_sync_of_one_file(fs, tmp_path):
+    fh, inode = await fs.create(ROOT_INO, b"one", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"1")
+    fs.release(fh)
+    with trio.fail_after(30):
+        await fs.sync(inode.ino)
+    assert (tmp_path / "lake" / "one").read_bytes() == b"1"

@@ -378,13 +378,13 @@ class Promoter:
                 "deletes": len(self.meta.tombstones()),
                 "uploading": len(self._active)}
 
-    async def sync(self, selects: Callable[[Inode], bool], key_prefix: str) -> None:
+    async def sync(self, selects: Callable[[Inode], bool], key_prefix: str | None) -> None:
         """Return once every pending change selected (and every tombstone under
         ``key_prefix``) is in the lake; raise LakeError if one keeps failing."""
         started = trio.current_time()
         while True:
             waiting = [i for i in self.meta.pending_inodes() if selects(i)]
-            tombs = self.meta.tombstones_under(key_prefix)
+            tombs = [] if key_prefix is None else self.meta.tombstones_under(key_prefix)
             if not waiting and not tombs:
                 return
             for inode in waiting:
