@@ -44,6 +44,8 @@ def _replies(fn: F) -> F:
 
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
+    # Off: with it the kernel trusts its own size of a file for good, so an
+    # object another node replaced would keep its old size.
     enable_writeback_cache = False
     enable_acl = False
 
