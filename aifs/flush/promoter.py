@@ -91,6 +91,7 @@ class Promoter:
         self._busy_keys: set[str] = set()
         self._tombs_due: float | None = 0.0
         self._deleting = False
+        self._delete_failures: tuple[int, str, float] = (0, "", 0.0)
         self._wake = trio.Event()
         self._progress = trio.Event()
         self._slots = trio.Semaphore(max(1, config.promote_workers))
@@ -315,6 +316,8 @@ class Promoter:
         except LakeError as exc:
             log.warning("deleting from the lake failed (%s); retrying in 5s", exc)
             self.stats.failures += 1
+            self._delete_failures = (self._delete_failures[0] + 1, str(exc),
+                                     trio.current_time())
             self.tombstones_changed(5.0)
         finally:
             self._deleting = False
@@ -378,13 +381,29 @@ class Promoter:
                 "deletes": len(self.meta.tombstones()),
                 "uploading": len(self._active)}
 
+    def _blocked_tombstones(self, tombs: dict[str, int]) -> set[str]:
+        """Deletes that wait for a handle to close (and markers above them)."""
+        blocked = {key for key, ino in tombs.items() if ino and self.host.is_open(ino)}
+        return blocked | {key for key in tombs if key.endswith("/")
+                          and any(b.startswith(key) for b in blocked)}
+
     async def sync(self, selects: Callable[[Inode], bool], key_prefix: str | None) -> None:
         """Return once every pending change selected (and every tombstone under
-        ``key_prefix``) is in the lake; raise LakeError if one keeps failing."""
+        ``key_prefix``) is in the lake; raise LakeError if one keeps failing.
+
+        Deletes of files still open (unlinked while open) are not waited for:
+        they happen when the last handle closes.
+        """
         started = trio.current_time()
+        self._delete_failures = (0, "", 0.0)
+        kicked = False
         while True:
             waiting = [i for i in self.meta.pending_inodes() if selects(i)]
-            tombs = [] if key_prefix is None else self.meta.tombstones_under(key_prefix)
+            tombs: dict[str, int] = {}
+            if key_prefix is not None:
+                tombs = self.meta.tombstones_under(key_prefix)
+                for key in self._blocked_tombstones(self.meta.tombstones()):
+                    tombs.pop(key, None)
             if not waiting and not tombs:
                 return
             for inode in waiting:
@@ -395,7 +414,12 @@ class Promoter:
                         inode.ino not in self._forced or inode.ino not in self._due):
                     self.schedule(inode.ino, 0.0, force=True)
             if tombs:
-                self.tombstones_changed()
+                count, why, when = self._delete_failures
+                if count >= 2 and when >= started:
+                    raise LakeError(f"deleting from the lake: {why}")
+                if not kicked:
+                    self.tombstones_changed()
+                    kicked = True
             progress = self._progress
             with trio.move_on_after(1.0):
                 await progress.wait()

@@ -244,16 +244,16 @@ class MetaStore:
         with self.env.begin() as txn:
             return txn.get(key_bytes(key), db=self.tombs) is not None
 
-    def tombstones_under(self, prefix: str) -> list[str]:
+    def tombstones_under(self, prefix: str) -> dict[str, int]:
         raw = key_bytes(prefix)
-        out = []
+        out = {}
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.tombs)
             if cursor.set_range(raw):
-                for key in cursor.iternext(keys=True, values=False):
+                for key, value in cursor:
                     if not key.startswith(raw):
                         break
-                    out.append(bytes(key).decode("utf-8", "surrogateescape"))
+                    out[bytes(key).decode("utf-8", "surrogateescape")] = _U64.unpack(value)[0]
         return out
 
     def uploads_in_progress(self) -> dict[int, tuple[str, str]]:
