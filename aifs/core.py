@@ -608,17 +608,25 @@ class Filesystem:
         return old_keys, etags
 
     # -- files ----------------------------------------------------------------
-    def open(self, ino: int, flags: int) -> tuple[int, bool]:
+    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
         """Open a file; return the handle and whether the kernel may keep the
         pages it cached for this inode (only if the content did not change
-        behind its back)."""
+        behind its back). O_TRUNC arrives here (atomic open-truncate)."""
         inode = self._inode(ino)
         if inode.is_dir:
             raise FsError(errno.EISDIR)
         writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
         keep_cache = self._kernel_etag.get(ino) == inode.etag
         self._kernel_etag[ino] = inode.etag
-        return self._open_handle(inode, writable), keep_cache
+        fh = self._open_handle(inode, writable)
+        if writable and flags & os.O_TRUNC:
+            try:
+                await self._truncate(inode, 0)
+            except BaseException:
+                self.release(fh)
+                raise
+            keep_cache = False
+        return fh, keep_cache
 
     def _open_handle(self, inode: Inode, writable: bool) -> int:
         fh = next(self._handles)

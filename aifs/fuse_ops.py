@@ -175,7 +175,7 @@ class Operations(pyfuse3.Operations):
     @_replies
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        fh, keep_cache = self.fs.open(inode, flags)
+        fh, keep_cache = await self.fs.open(inode, flags)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     @_replies

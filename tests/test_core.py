@@ -65,7 +65,7 @@ async def test_lookup_counts_and_forget(fs):
 async def test_concurrent_readers_cause_one_get_per_block(fs):
     d = await fs.lookup(ROOT_INO, b"d")
     big = await fs.lookup(d.ino, b"big")
-    handles = [fs.open(big.ino, os.O_RDONLY)[0] for _ in range(8)]
+    handles = [(await fs.open(big.ino, os.O_RDONLY))[0] for _ in range(8)]
     results: dict[int, bytes] = {}
 
     async def read(fh: int) -> None:
@@ -81,7 +81,7 @@ async def test_concurrent_readers_cause_one_get_per_block(fs):
 async def test_sequential_reads_grow_readahead(fs):
     d = await fs.lookup(ROOT_INO, b"d")
     big = await fs.lookup(d.ino, b"big")
-    fh, _ = fs.open(big.ino, os.O_RDONLY)
+    fh, _ = await fs.open(big.ino, os.O_RDONLY)
     out = bytearray()
     for offset in range(0, len(fs.data), 128 * 1024):
         out += await fs.read(fh, offset, 128 * 1024)
@@ -114,7 +114,7 @@ async def test_write_then_promote_to_the_lake(fs, tmp_path):
 
 async def test_overwrite_of_a_lake_file_materializes_it(fs, tmp_path):
     small = await fs.lookup(ROOT_INO, b"small")
-    fh, _ = fs.open(small.ino, os.O_RDWR)
+    fh, _ = await fs.open(small.ino, os.O_RDWR)
     await fs.write(fh, 2, b"X")
     assert bytes(await fs.read(fh, 0, 10)) == b"smXll"
     fs.release(fh)
@@ -135,7 +135,7 @@ async def test_rename_of_a_promoted_directory_copies_in_the_lake(fs, tmp_path):
     assert (lake / "e" / "local").read_bytes() == b"not yet promoted"
     e = await fs.lookup(ROOT_INO, b"e")
     big = await fs.lookup(e.ino, b"big")
-    fh, _ = fs.open(big.ino, os.O_RDONLY)
+    fh, _ = await fs.open(big.ino, os.O_RDONLY)
     assert bytes(await fs.read(fh, 0, 64)) == fs.data[:64]  # the copy's ETag is known
 
 
@@ -185,14 +185,14 @@ async def test_changes_survive_a_crash(tmp_path):
 
 async def test_keep_cache_only_for_unchanged_objects(fs, tmp_path):
     small = await fs.lookup(ROOT_INO, b"small")
-    fh1, keep1 = fs.open(small.ino, os.O_RDONLY)
-    fh2, keep2 = fs.open(small.ino, os.O_RDONLY)
+    fh1, keep1 = await fs.open(small.ino, os.O_RDONLY)
+    fh2, keep2 = await fs.open(small.ino, os.O_RDONLY)
     assert (keep1, keep2) == (False, True)
     (tmp_path / "lake" / "small").write_bytes(b"changed")
     fs.clock = lambda: 1e12  # the TTL has passed
     fresh = await fs.getattr(small.ino)
     assert fresh.size == 7
-    fh3, keep3 = fs.open(small.ino, os.O_RDONLY)
+    fh3, keep3 = await fs.open(small.ino, os.O_RDONLY)
     assert keep3 is False
     assert await fs.read(fh3, 0, 100) == b"changed"
 
