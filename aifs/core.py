@@ -593,16 +593,27 @@ class Filesystem:
         etags: dict[str, str] = {}
         limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
 
+        failures: list[LakeError] = []
+
         async def copy(src: str, dst: str) -> None:
             async with limiter:
                 try:
                     etags[dst] = (await self.store.copy(src, dst)).etag
                 except ObjectNotFound:
-                    pass
+                    pass  # deleted meanwhile by another writer
+                except LakeError as exc:
+                    failures.append(exc)
 
         async with trio.open_nursery() as nursery:
             for src, dst in copies:
                 nursery.start_soon(copy, src, dst)
+        if failures:
+            # The rename fails as a whole: the copies already made are deleted.
+            for dst in etags:
+                if self.meta.owner_of(dst) is None:
+                    self.meta.add_tombstone(dst)
+            self.promoter.tombstones_changed()
+            raise failures[0]
         if source.key not in old_keys:
             old_keys.append(source.key)  # the marker, if any
         return old_keys, etags

@@ -60,3 +60,15 @@ class FsError(Exception):
     def __init__(self, err: int, message: str = "") -> None:
         super().__init__(message or errno.errorcode.get(err, str(err)))
         self.errno = err
+
+
+def lake_error_in(exc: BaseException) -> LakeError | None:
+    """The LakeError behind ``exc``, also inside a (trio nursery) ExceptionGroup."""
+    if isinstance(exc, LakeError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = lake_error_in(inner)
+            if found is not None:
+                return found
+    return None

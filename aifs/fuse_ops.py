@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from aifs.core import Filesystem, SetAttributes
-from aifs.errors import FsError, LakeError
+from aifs.errors import FsError, lake_error_in
 from aifs.meta.store import Inode
 
 log = logging.getLogger(__name__)
@@ -33,10 +33,11 @@ def _replies(fn: F) -> F:
             raise
         except FsError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
-        except LakeError as exc:
-            log.warning("%s: %s", fn.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except Exception:
+        except Exception as exc:
+            lake = lake_error_in(exc)
+            if lake is not None:
+                log.warning("%s: %s", fn.__name__, lake)
+                raise pyfuse3.FUSEError(lake.errno) from None
             log.exception("unexpected error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
     return handler  # type: ignore[return-value]

@@ -22,7 +22,7 @@ import trio
 
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.errors import LakeError, ObjectNotFound
+from aifs.errors import LakeError, ObjectNotFound, lake_error_in
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.objattrs import to_metadata
 from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, Inode, MetaStore
@@ -152,7 +152,10 @@ class Promoter:
     # -- one inode ------------------------------------------------------------
     async def _promote_task(self, ino: int, force: bool) -> None:
         try:
-            await self._promote(ino, force)
+            try:
+                await self._promote(ino, force)
+            except Exception as exc:
+                raise lake_error_in(exc) or exc from None
             self._failures.pop(ino, None)
         except LakeError as exc:
             count = self._failures.get(ino, (0, "", 0.0))[0] + 1

@@ -289,7 +289,8 @@ class LocalStore(ObjectStore):
               out: list[ObjectInfo | str]) -> None:
         found: list[ObjectInfo | str] = []
         self._scan(directory, dir_key, start, found)
-        if dir_key and not start and not found and os.path.isdir(directory):
+        if dir_key and not start and os.path.isdir(directory) and (
+                not found or MARKER_XATTR in os.listxattr(directory)):
             out.append(self._info(dir_key, directory, os.stat(directory), False))
         for item in found:
             if isinstance(item, str):
@@ -331,12 +332,20 @@ class LocalStore(ObjectStore):
 
         def do() -> ObjectInfo:
             src_info = self._info(src, src_path, os.stat(src_path), True)
+            meta = src_info.metadata if metadata is None else metadata
+            if src.endswith("/") or dst.endswith("/"):
+                if not (src.endswith("/") and dst.endswith("/") and os.path.isdir(src_path)):
+                    raise InvalidKey(f"cannot copy {src!r} to {dst!r}")
+                os.makedirs(dst_path, exist_ok=True)
+                os.setxattr(dst_path, MARKER_XATTR, b"1")
+                for name, value in meta.items():
+                    os.setxattr(dst_path, META_XATTR + name, value.encode())
+                return self._info(dst, dst_path, os.stat(dst_path), True)
 
             def write(fd: int) -> None:
                 with open(src_path, "rb") as fp:
                     while chunk := fp.read(1 << 22):
                         os.write(fd, chunk)
-            meta = src_info.metadata if metadata is None else metadata
             st = self._write_atomic(dst_path, write, meta)
             return ObjectInfo(dst, st.st_size, _etag(os.stat(dst_path)), st.st_mtime, meta)
         return await self._run(do)
