@@ -538,7 +538,11 @@ class Filesystem:
         new_key = target_dir.key + _name(new_name) + ("/" if source.is_dir else "")
         tombstones, etags = await self._move_in_lake(source, new_key)
         moved, replaced = self.meta.rename(old_parent, old_name, new_parent, new_name,
-                                           new_key, tombstones, etags)
+                                           new_key, tombstones, etags, self.local.has)
+        if source.is_dir:  # descendants to upload again under their new keys
+            for inode in self.meta.pending_inodes():
+                if inode.pending & DATA and self._is_under(inode, moved.ino):
+                    self._schedule(inode.ino)
         self._touch_dir(old_parent)
         if new_parent != old_parent:
             self._touch_dir(new_parent)

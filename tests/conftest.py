@@ -385,3 +385,16 @@ def mtime_ns_of(value: str) -> int:
     """The s3fs ``mtime`` metadata ("SECONDS" or "SECONDS.NNNNNNNNN") in nanoseconds."""
     seconds, _, fraction = value.partition(".")
     return int(seconds) * 1_000_000_000 + int((fraction or "0").ljust(9, "0")[:9])
+
+
+def lake_upload_parts(lake: Lake) -> int:
+    """How many parts the lake holds for its unfinished multipart uploads."""
+    if lake.server:
+        client = lake.server.client
+        uploads = client.list_multipart_uploads(Bucket=lake.bucket).get("Uploads", [])
+        return sum(len(client.list_parts(Bucket=lake.bucket, Key=u["Key"],
+                                         UploadId=u["UploadId"]).get("Parts", []))
+                   for u in uploads)
+    assert lake.root is not None
+    staging = lake.root / LOCAL_STAGING
+    return sum(1 for part in staging.glob("*/part-*")) if staging.is_dir() else 0

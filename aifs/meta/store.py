@@ -36,7 +36,7 @@ import logging
 import shutil
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -382,13 +382,16 @@ class MetaStore:
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                new_key: str, tombstones: Iterable[str] = (),
-               etags: dict[str, str] | None = None) -> tuple[Inode, Inode | None]:
+               etags: dict[str, str] | None = None,
+               has_local: Callable[[int], bool] = lambda ino: False,
+               ) -> tuple[Inode, Inode | None]:
         """Move an entry (and, for a directory, the keys of its whole listed
         subtree) to ``new_parent``/``new_name`` with lake key ``new_key``.
 
         An entry already at the target is unlinked and returned. ``tombstones``
         are old lake keys to delete; ``etags`` are the new ETags of objects
-        copied in the lake (by new key).
+        copied in the lake (by new key). ``has_local`` tells which inodes have
+        a local copy to upload again if their object could not be copied.
         """
         etags = etags or {}
         with self.env.begin(write=True) as txn:
@@ -405,7 +408,7 @@ class MetaStore:
             txn.put(u64(new_parent) + new_name, _U64x2.pack(ino, cookie), db=self.dentries)
             txn.put(u64(new_parent) + u64(cookie), new_name, db=self.cookies)
             now = time.time()
-            self._rekey(txn, ino, new_key, etags, now, parent=new_parent)
+            self._rekey(txn, ino, new_key, etags, now, has_local, parent=new_parent)
             for key in tombstones:
                 if txn.get(key_bytes(key), db=self.objkeys) is None:
                     txn.put(key_bytes(key), u64(0), db=self.tombs)
@@ -419,7 +422,8 @@ class MetaStore:
         txn.delete(u64(parent) + u64(cookie), db=self.cookies)
 
     def _rekey(self, txn: lmdb.Transaction, ino: int, new_key: str, etags: dict[str, str],
-               now: float, parent: int | None = None) -> None:
+               now: float, has_local: Callable[[int], bool],
+               parent: int | None = None) -> None:
         inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
         old = key_bytes(inode.key)
         if txn.get(old, db=self.objkeys) == u64(ino):
@@ -430,6 +434,12 @@ class MetaStore:
         if new_key in etags:
             inode.etag = etags[new_key]
         elif not inode.is_dir:
+            if inode.in_lake and inode.etag != MAYBE_IN_LAKE and not inode.pending & DATA:
+                # Promoted while the move was under way: its object under the
+                # old key was not copied. Delete it; upload the local copy.
+                txn.put(old, u64(0), db=self.tombs)
+                if has_local(ino):
+                    inode.pending |= DATA
             # No object of its own under the new key; an older one may be there.
             tombed = txn.get(key_bytes(new_key), db=self.tombs) is not None
             inode.etag = MAYBE_IN_LAKE if tombed else ""
@@ -443,7 +453,7 @@ class MetaStore:
                 suffix = "/" if kind == DIR else ""
                 self._rekey(txn, child,
                             new_key + name.decode("utf-8", "surrogateescape") + suffix,
-                            etags, now)
+                            etags, now, has_local)
 
     def add_tombstone(self, key: str, ino: int = 0) -> None:
         with self.env.begin(write=True) as txn:
