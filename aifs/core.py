@@ -578,10 +578,10 @@ class Filesystem:
             metadata = (object_metadata(source, self.uid, self.gid)
                         if source.pending & META else None)
             try:
-                info = await self.store.copy(source.key, new_key, metadata)
+                etag = await self.store.copy(source.key, new_key, metadata)
             except ObjectNotFound:
                 return [], {}
-            return [source.key], {new_key: info.etag}
+            return [source.key], {new_key: etag}
         old_keys: list[str] = []
         copies: list[tuple[str, str]] = []
         async for page in self.store.iter_list(source.key, None):
@@ -602,7 +602,7 @@ class Filesystem:
         async def copy(src: str, dst: str) -> None:
             async with limiter:
                 try:
-                    etags[dst] = (await self.store.copy(src, dst)).etag
+                    etags[dst] = await self.store.copy(src, dst)
                 except ObjectNotFound:
                     pass  # deleted meanwhile by another writer
                 except LakeError as exc:

@@ -102,8 +102,9 @@ async def test_multipart(store):
 
 async def test_delete_many_and_copy(store):
     await store.put("c/one", b"1", {"uid": "7"})
-    copied = await store.copy("c/one", "c/two")
-    assert copied.size == 1 and (await store.head("c/two")).metadata.get("uid") == "7"
+    etag = await store.copy("c/one", "c/two")
+    two = await store.head("c/two")
+    assert two.size == 1 and two.etag == etag and two.metadata.get("uid") == "7"
     await store.copy("c/one", "c/three", {"uid": "8"})
     assert (await store.head("c/three")).metadata.get("uid") == "8"
     await store.delete_many(["c/one", "c/two", "c/missing"])

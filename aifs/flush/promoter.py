@@ -285,7 +285,8 @@ class Promoter:
                 return ObjectInfo("", 0, "", 0.0)  # the root has no marker
             return await self.store.put(inode.key, b"", metadata)
         try:
-            return await self.store.copy(inode.key, inode.key, metadata)
+            etag = await self.store.copy(inode.key, inode.key, metadata)
+            return ObjectInfo(inode.key, inode.size, etag, 0.0, metadata)
         except ObjectNotFound:
             if self.files.has(inode.ino):  # gone from the lake: upload our copy
                 self.meta.update(inode.ino, pending=inode.pending | DATA)
@@ -400,16 +401,20 @@ class Promoter:
         started = trio.current_time()
         self._delete_failures = (0, "", 0.0)
         kicked = False
+        # What is pending now (changes made later are not waited for).
+        waiting = {i.ino for i in self.meta.pending_inodes() if selects(i)}
         while True:
-            waiting = [i for i in self.meta.pending_inodes() if selects(i)]
+            still = [self.meta.get(ino) for ino in waiting]
+            left = [i for i in still if i is not None and i.pending and not i.orphan]
+            waiting = {i.ino for i in left}
             tombs: dict[str, int] = {}
             if key_prefix is not None:
                 tombs = self.meta.tombstones_under(key_prefix)
                 for key in self._blocked_tombstones(self.meta.tombstones()):
                     tombs.pop(key, None)
-            if not waiting and not tombs:
+            if not left and not tombs:
                 return
-            for inode in waiting:
+            for inode in left:
                 failure = self._failures.get(inode.ino)
                 if failure and failure[2] >= started and failure[0] >= 2:
                     raise LakeError(f"{inode.key}: {failure[1]}")
@@ -426,6 +431,7 @@ class Promoter:
             progress = self._progress
             with trio.move_on_after(1.0):
                 await progress.wait()
+            await trio.sleep(0.05)  # let more complete before scanning again
 
 
 def _read_all(path: os.PathLike[str] | str) -> bytes:

@@ -90,7 +90,8 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     async def copy(self, src: str, dst: str,
-                   metadata: dict[str, str] | None = None) -> ObjectInfo: ...
+                   metadata: dict[str, str] | None = None) -> str:
+        """Server-side copy (``metadata`` replaces the source's); the copy's ETag."""
 
     async def aclose(self) -> None:
         """Release resources (connection pools)."""

@@ -327,10 +327,10 @@ class LocalStore(ObjectStore):
         await self._run(do)
 
     async def copy(self, src: str, dst: str,
-                   metadata: dict[str, str] | None = None) -> ObjectInfo:
+                   metadata: dict[str, str] | None = None) -> str:
         src_path, dst_path = self._path(src), self._path(dst)
 
-        def do() -> ObjectInfo:
+        def do() -> str:
             src_info = self._info(src, src_path, os.stat(src_path), True)
             meta = src_info.metadata if metadata is None else metadata
             if src.endswith("/") or dst.endswith("/"):
@@ -340,12 +340,12 @@ class LocalStore(ObjectStore):
                 os.setxattr(dst_path, MARKER_XATTR, b"1")
                 for name, value in meta.items():
                     os.setxattr(dst_path, META_XATTR + name, value.encode())
-                return self._info(dst, dst_path, os.stat(dst_path), True)
+                return self._info(dst, dst_path, os.stat(dst_path), False).etag
 
             def write(fd: int) -> None:
                 with open(src_path, "rb") as fp:
                     while chunk := fp.read(1 << 22):
                         os.write(fd, chunk)
-            st = self._write_atomic(dst_path, write, meta)
-            return ObjectInfo(dst, st.st_size, _etag(os.stat(dst_path)), st.st_mtime, meta)
+            self._write_atomic(dst_path, write, meta)
+            return _etag(os.stat(dst_path))
         return await self._run(do)

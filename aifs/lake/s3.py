@@ -231,14 +231,15 @@ class S3Store(ObjectStore):
                                 f"{first.get('Message')}")
 
     async def copy(self, src: str, dst: str,
-                   metadata: dict[str, str] | None = None) -> ObjectInfo:
+                   metadata: dict[str, str] | None = None) -> str:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(dst),
                                 "CopySource": {"Bucket": self.bucket, "Key": self._k(src)}}
         if metadata is not None:
             args["Metadata"] = metadata
             args["MetadataDirective"] = "REPLACE"
-        await self._call(f"COPY {src} -> {dst}", lambda: self.client.copy_object(**args))
-        return await self.head(dst)
+        resp = await self._call(f"COPY {src} -> {dst}",
+                                lambda: self.client.copy_object(**args))
+        return resp["CopyObjectResult"]["ETag"]
 
     async def aclose(self) -> None:
         self.client.close()
