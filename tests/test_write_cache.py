@@ -1,0 +1,102 @@
+"""Write-back cache space, unmount durability and other writers, through a real mount."""
+
+from __future__ import annotations
+
+import random
+
+from conftest import wait_for
+
+MiB = 1 << 20
+
+
+def _in_lake(lake, key: str) -> bytes | None:
+    try:
+        return lake.get(key)
+    except Exception:
+        return None
+
+
+def _sync(aifs_cli, path) -> None:
+    result = aifs_cli("sync", str(path))
+    assert result.returncode == 0, result.stderr
+
+
+def _local_bytes(mount) -> int:
+    files = mount.cache_dir / "files"
+    return sum(f.stat().st_size for f in files.iterdir() if f.is_file())
+
+
+def test_writers_wait_for_promotion_when_the_cache_is_full(lake, mounter, aifs_cli):
+    """Dirty data over --cache-size is promoted at once (despite a long delay)
+    and clean copies are evicted; nothing fails and nothing is lost."""
+    mount = mounter(lake, "--cache-size", "8M", "--block-size", "1M",
+                    "--promote-delay", "3600")
+    contents = {f"f{i}": random.Random(i).randbytes(3 * MiB) for i in range(8)}
+    for name, data in contents.items():
+        (mount.path / name).write_bytes(data)
+        assert _local_bytes(mount) <= 8 * MiB + 3 * MiB  # at most one file over
+    # 24 MiB written into an 8 MiB cache: most of it had to reach the lake already
+    in_lake = [name for name in contents if _in_lake(lake, name) == contents[name]]
+    assert len(in_lake) >= 4, in_lake
+    for name, data in contents.items():
+        assert (mount.path / name).read_bytes() == data
+    _sync(aifs_cli, mount.path)
+    assert all(lake.get(name) == data for name, data in contents.items())
+
+
+def test_umount_promotes_everything(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "3600")
+    (mount.path / "d").mkdir()
+    (mount.path / "d" / "a").write_bytes(b"a" * 1000)
+    (mount.path / "b").write_bytes(b"b")
+    assert _in_lake(lake, "b") is None  # the delay has not passed
+    result = aifs_cli("umount", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    assert lake.get("d/a") == b"a" * 1000 and lake.get("b") == b"b"
+
+
+def test_umount_no_flush_leaves_changes_for_the_next_mount(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "3600", name="first")
+    (mount.path / "kept").write_bytes(b"in the cache only")
+    result = aifs_cli("umount", "--no-flush", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    mount.proc.wait(30)
+    assert _in_lake(lake, "kept") is None
+    again = mounter(lake, "--promote-delay", "0.2", name="second", cache="first")
+    assert (again.path / "kept").read_bytes() == b"in the cache only"
+    _sync(aifs_cli, again.path)
+    assert lake.get("kept") == b"in the cache only"
+
+
+def test_sync_reports_a_path_outside_any_mount(aifs_cli, tmp_path):
+    result = aifs_cli("sync", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "not in an aifs mount" in result.stderr
+
+
+def test_another_writers_version_is_never_hidden_by_a_local_copy(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "0.2", "--metadata-ttl", "1")
+    path = mount.path / "shared.txt"
+    path.write_bytes(b"version 1 from this node")
+    _sync(aifs_cli, mount.path)
+    assert path.read_bytes() == b"version 1 from this node"  # a clean local copy now
+    lake.put("shared.txt", b"version 2, written by another tool")
+    wait_for(lambda: path.read_bytes() == b"version 2, written by another tool", 20,
+             "the other writer's version through the mount")
+    with open(path, "r+b") as fp:
+        fp.write(b"VERSION 3")
+    _sync(aifs_cli, mount.path)
+    assert lake.get("shared.txt") == b"VERSION 3, written by another tool"
+
+
+def test_this_nodes_write_wins_over_an_unseen_change_with_a_warning(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "0.2", "--metadata-ttl", "3600")
+    path = mount.path / "shared.txt"
+    path.write_bytes(b"version 1")
+    _sync(aifs_cli, mount.path)
+    lake.put("shared.txt", b"version 2 from elsewhere")
+    with open(path, "ab") as fp:  # this node has not seen version 2
+        fp.write(b"!")
+    _sync(aifs_cli, mount.path)
+    assert lake.get("shared.txt") == b"version 1!"
+    assert "changed in the lake since this node read it" in mount.log_text()
