@@ -125,7 +125,8 @@ class Filesystem:
         self._kernel_etag: dict[int, str] = {}
         self._opens: dict[int, int] = {}
         self._writers: dict[int, int] = {}
-        self._written: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime_ns) unsaved
+        self._written: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime_ns) of writers
+        self._unsaved: set[int] = set()  # ... changed since last stored in LMDB
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
         self._disk = trio.CapacityLimiter(8)
@@ -309,7 +310,7 @@ class Filesystem:
             return
         self.meta.delete_orphan(ino)
         self.local.remove(ino)
-        self._written.pop(ino, None)
+        self._forget_written(ino)
         self._changes.pop(ino, None)
         self._kernel_etag.pop(ino, None)
 
@@ -361,6 +362,7 @@ class Filesystem:
             updates["mtime_ns"] = changes.mtime_ns
             if ino in self._written:
                 self._written[ino] = (self._written[ino][0], changes.mtime_ns)
+                self._unsaved.discard(ino)  # saved with the other changes below
         if updates:
             self._save_written(ino)
             current = self._inode(ino)
@@ -495,7 +497,7 @@ class Filesystem:
         removed = self.meta.remove(parent, name)
         self._touch_dir(parent)
         if removed is not None:
-            self._written.pop(removed.ino, None)
+            self._forget_written(removed.ino)
             self._free_if_unused(removed.ino)
         self.promoter.tombstones_changed()
 
@@ -547,7 +549,7 @@ class Filesystem:
         if new_parent != old_parent:
             self._touch_dir(new_parent)
         if replaced is not None:
-            self._written.pop(replaced.ino, None)
+            self._forget_written(replaced.ino)
             self._free_if_unused(replaced.ino)
         if moved.pending:
             self._schedule(moved.ino)
@@ -698,6 +700,7 @@ class Filesystem:
         self.write_bytes += written
         size = max(self._written[ino][0], offset + written)
         self._written[ino] = (size, time.time_ns())
+        self._unsaved.add(ino)
         self._changed(ino)
         self.local.resized(ino, size)
         return written
@@ -772,6 +775,7 @@ class Filesystem:
         except OSError as exc:
             raise FsError(exc.errno or errno.EIO) from None
         self._written[ino] = (size, time.time_ns())
+        self._unsaved.add(ino)
         self._changed(ino)
         self.local.resized(ino, size)
         self._save_written(ino)
@@ -795,10 +799,15 @@ class Filesystem:
     def _changed(self, ino: int) -> None:
         self._changes[ino] = self._changes.get(ino, 0) + 1
 
+    def _forget_written(self, ino: int) -> None:
+        self._written.pop(ino, None)
+        self._unsaved.discard(ino)
+
     def _save_written(self, ino: int) -> None:
         """Store the in-memory size and mtime of a file being written."""
         written = self._written.get(ino)
-        if written is not None:
+        if written is not None and ino in self._unsaved:
+            self._unsaved.discard(ino)
             self.meta.update(ino, size=written[0], mtime_ns=written[1], ctime=self.clock())
 
     def _schedule(self, ino: int) -> None:
@@ -830,7 +839,7 @@ class Filesystem:
             else:
                 self._writers.pop(ino, None)
                 self._save_written(ino)
-                self._written.pop(ino, None)
+                self._forget_written(ino)
                 inode = self.meta.get(ino)
                 if inode is not None and inode.pending and not inode.orphan:
                     self.promoter.schedule(ino)

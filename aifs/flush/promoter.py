@@ -11,6 +11,7 @@ the stale upload is abandoned before completion (multipart) or replaced.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -84,7 +85,8 @@ class Promoter:
         self.files = files
         self.config = config
         self.uid, self.gid = uid, gid
-        self._due: dict[int, float] = {}
+        self._due: dict[int, float] = {}  # ino -> when; _heap orders them (lazily)
+        self._heap: list[tuple[float, int]] = []
         self._forced: set[int] = set()
         self._active: set[int] = set()
         self._failures: dict[int, tuple[int, str, float]] = {}  # ino -> (count, why, when)
@@ -104,7 +106,9 @@ class Promoter:
         due = trio.current_time() + delay
         if ino in self._due and not force:
             due = max(due, self._due[ino])  # a newer change restarts the delay
-        self._due[ino] = due
+        if self._due.get(ino) != due:
+            self._due[ino] = due
+            heapq.heappush(self._heap, (due, ino))
         if force:
             self._forced.add(ino)
         self._wake.set()
@@ -126,10 +130,16 @@ class Promoter:
         async with trio.open_nursery() as nursery:
             while True:
                 now = trio.current_time()
-                for ino in sorted(self._due, key=self._due.__getitem__):
-                    if self._due[ino] > now or self._slots.value == 0:
+                while self._heap and self._slots.value > 0:
+                    due, ino = self._heap[0]
+                    if due > now:
                         break
+                    heapq.heappop(self._heap)
+                    if self._due.get(ino) != due:
+                        continue  # rescheduled since: a later entry stands for it
                     if ino in self._active:
+                        heapq.heappush(self._heap, (now + 0.05, ino))
+                        self._due[ino] = now + 0.05
                         continue
                     del self._due[ino]
                     force = ino in self._forced
@@ -142,10 +152,10 @@ class Promoter:
                     self._tombs_due = None
                     self._deleting = True
                     nursery.start_soon(self._delete_task)
-                upcoming = [d for i, d in self._due.items() if i not in self._active]
+                wake_at = self._heap[0][0] if self._heap and self._slots.value else math.inf
                 if self._tombs_due is not None and not self._deleting:
-                    upcoming.append(self._tombs_due)
-                with trio.move_on_at(min(upcoming, default=math.inf)):
+                    wake_at = min(wake_at, self._tombs_due)
+                with trio.move_on_at(wake_at):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
@@ -367,9 +377,11 @@ class Promoter:
         nothing promotable is left (or all of it keeps failing)."""
         now = trio.current_time()
         hopeful = False
-        for ino in self._due:
+        for ino, due in list(self._due.items()):
             if ino not in self._failures:
-                self._due[ino] = min(self._due[ino], now)
+                if due > now:
+                    self._due[ino] = now
+                    heapq.heappush(self._heap, (now, ino))
                 hopeful = True
         self._wake.set()
         return hopeful or any(ino not in self._failures for ino in self._active)
