@@ -239,7 +239,9 @@ class S3Store(ObjectStore):
             args["MetadataDirective"] = "REPLACE"
         resp = await self._call(f"COPY {src} -> {dst}",
                                 lambda: self.client.copy_object(**args))
-        return resp["CopyObjectResult"]["ETag"]
+        etag = resp["CopyObjectResult"]["ETag"]
+        # Some servers (Ceph RGW) leave the quotes off here, not in HEAD or LIST.
+        return etag if etag.startswith('"') else f'"{etag}"'
 
     async def aclose(self) -> None:
         self.client.close()
