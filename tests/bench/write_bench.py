@@ -1,0 +1,380 @@
+"""Write-path benchmark: a 2 GiB file written through the mount (until close()
+returns, and until it is in the lake), and 10,000 small files created and
+promoted. Every figure is measured in the same run as its baselines (the same
+writes to a local file on the cache disk; a boto3 multipart upload, or on the
+local lake a copy into the lake directory).
+
+    python tests/bench/write_bench.py --lake local|moto|ceph [--size 2G] [--files 10000]
+                                      [--file-size 64K] [--runs 3]
+
+Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
+
+from aifs.config import parse_size  # noqa: E402
+
+MiB = 1 << 20
+CHUNK = 1 * MiB                  # every write() is 1 MiB (the last one of a file may be less)
+POOL_SPAN = 64 * MiB             # chunks start anywhere in the first 64 MiB of the pool
+POOL = os.urandom(POOL_SPAN + CHUNK)   # the random bytes, generated once and reused
+POOL_VIEW = memoryview(POOL)
+
+
+def chunks(seed: int, size: int):
+    """The 1 MiB writes of a file of ``size`` bytes; ``seed`` makes files differ."""
+    for k, offset in enumerate(range(0, size, CHUNK)):
+        start = (seed * 4096 + k * CHUNK) % POOL_SPAN
+        yield POOL_VIEW[start:start + min(CHUNK, size - offset)]
+
+
+def digest(seed: int, size: int) -> str:
+    import xxhash
+    hasher = xxhash.xxh3_128()
+    for chunk in chunks(seed, size):
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def write_file(path: Path, seed: int, size: int) -> None:
+    with open(path, "wb", buffering=0) as fp:
+        for chunk in chunks(seed, size):
+            fp.write(chunk)
+
+
+def timed_write(path: Path, seed: int, size: int) -> float:
+    """Seconds from open() until close() returns (no fsync)."""
+    start = time.perf_counter()
+    write_file(path, seed, size)
+    return time.perf_counter() - start
+
+
+def timed_creates(directory: Path, count: int, size: int) -> float:
+    start = time.perf_counter()
+    for i in range(count):
+        write_file(directory / f"f{i:06d}", i, size)
+    return time.perf_counter() - start
+
+
+def aifs_sync(path: Path, timeout: float) -> None:
+    """``aifs sync PATH`` as a user runs it; fails loudly if it fails or hangs."""
+    result = subprocess.run([sys.executable, "-m", "aifs", "sync", "--quiet", str(path)],
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"aifs sync {path} exited with {result.returncode}: "
+                           f"{result.stderr.strip()}")
+
+
+def cli_startup() -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "aifs", "--version"], check=True,
+                   capture_output=True)
+    return time.perf_counter() - start
+
+
+def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,
+                    threshold: int, part: int, parallel: int) -> float:
+    from boto3.s3.transfer import TransferConfig
+    config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=part,
+                            max_concurrency=parallel, use_threads=True,
+                            preferred_transfer_client="classic")
+    start = time.perf_counter()
+    server.client.upload_file(str(source), bucket, key, Config=config)
+    return time.perf_counter() - start
+
+
+def boto3_puts(server: conftest.S3Server, bucket: str, prefix: str, directory: Path,
+               count: int, threads: int) -> float:
+    def put(i: int) -> None:
+        name = f"f{i:06d}"
+        server.client.put_object(Bucket=bucket, Key=prefix + name,
+                                 Body=(directory / name).read_bytes())
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, range(count)))
+    return time.perf_counter() - start
+
+
+def delete_prefix(lake: conftest.Lake, prefix: str) -> None:
+    """Remove every object under ``prefix`` (bucket-relative on S3, lake-relative locally)."""
+    if lake.server:
+        client = lake.server.client
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=lake.bucket,
+                                                                  Prefix=prefix)
+        for page in pages:
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=lake.bucket, Delete={"Objects": keys})
+        return
+    assert lake.root is not None
+    path = lake.root / prefix
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def check_big(lake: conftest.Lake, key: str, size: int, expected: str) -> None:
+    found = conftest.lake_size(lake, key)
+    if found != size:
+        raise RuntimeError(f"lake object {key}: size {found}, expected {size}")
+    if conftest.lake_digest(lake, key) != expected:
+        raise RuntimeError(f"lake object {key}: wrong bytes")
+
+
+def check_many(lake: conftest.Lake, under: str, count: int, size: int) -> None:
+    keys = [k for k in conftest.lake_keys(lake) if k.startswith(under) and k != under]
+    if len(keys) != count:
+        raise RuntimeError(f"{len(keys)} objects under {under} in the lake, expected {count}")
+    for i in sorted({0, count // 3, count // 2, count - 1}):
+        if lake.get(f"{under}f{i:06d}") != b"".join(chunks(i, size)):
+            raise RuntimeError(f"lake object {under}f{i:06d}: wrong bytes")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lake", choices=["local", "moto", "ceph"], default="local")
+    parser.add_argument("--size", default="2G", help="the big file")
+    parser.add_argument("--files", type=int, default=10_000, help="small files (0: skip)")
+    parser.add_argument("--file-size", default="64K")
+    parser.add_argument("--multipart-threshold", default="16M")
+    parser.add_argument("--part-size", default="8M")
+    parser.add_argument("--parts-in-flight", type=int, default=8)
+    parser.add_argument("--promote-workers", type=int, default=4)
+    parser.add_argument("--promote-delay", default="2", help="seconds (aifs sync skips it)")
+    parser.add_argument("--runs", type=int, default=3, help="interleaved runs (medians reported)")
+    parser.add_argument("--sync-timeout", type=float, default=1800,
+                        help="seconds one `aifs sync` may take before the run fails")
+    parser.add_argument("--json", help="write results here too")
+    args = parser.parse_args()
+    size = parse_size(args.size)
+    file_size = parse_size(args.file_size)
+    threshold = parse_size(args.multipart_threshold)
+    part = parse_size(args.part_size)
+    # SIGTERM unwinds through the finally blocks like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    work = Path(tempfile.mkdtemp(prefix="aifs-wbench-", dir="/var/tmp"))
+    results: dict[str, float] = {}
+    stops: list = []
+    mounts: list[conftest.Mount] = []
+    failed = True
+    try:
+        server = None
+        if args.lake == "local":
+            root = work / "lake"
+            root.mkdir()
+            lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
+        else:
+            # Each run leaves its objects until the next run starts (deleted
+            # objects are freed later by radosgw's GC): size the store for all.
+            need = args.runs * (2 * size + 2 * args.files * max(file_size, 4096))
+            server = start_server(args.lake, work, stops, math.ceil(need * 1.5 / 1e9) + 4)
+            lake = conftest.Lake(args.lake, "s3://bench/w", server.env,
+                                 ["--endpoint-url", server.endpoint], server=server,
+                                 bucket="bench", prefix="w/")
+            server.client.create_bucket(Bucket=lake.bucket)
+        cache_size = 2 * (size + args.files * max(file_size, 4096)) + 1024 * MiB
+        mount_args = ["--cache-size", str(cache_size), "--log-level", "warning",
+                      "--multipart-threshold", args.multipart_threshold,
+                      "--part-size", args.part_size,
+                      "--parts-in-flight", str(args.parts_in_flight),
+                      "--promote-workers", str(args.promote_workers),
+                      "--promote-delay", args.promote_delay]
+        expected = digest(0, size)
+        runs: dict[str, list[float]] = {}
+
+        def record(name: str, value: float) -> None:
+            runs.setdefault(name, []).append(value)
+
+        record("aifs_cli_startup_s", cli_startup())
+        for rep in range(args.runs):
+            print(f"run {rep + 1}/{args.runs}", file=sys.stderr, flush=True)
+            local_big = work / f"local-{rep}.bin"
+            os.sync()
+            record("local_write_s", timed_write(local_big, 0, size))
+            mount = conftest.Mount(lake, work / "mnt", work / f"cache-{rep}",
+                                   work / "aifs.log", mount_args)
+            mounts.append(mount)
+            big = f"big-{rep}.bin"
+            os.sync()
+            start = time.perf_counter()
+            write_file(mount.path / big, 0, size)
+            closed = time.perf_counter()
+            aifs_sync(mount.path / big, args.sync_timeout)
+            in_lake = time.perf_counter()
+            record("aifs_write_s", closed - start)
+            record("aifs_close_to_lake_s", in_lake - closed)
+            record("aifs_open_to_lake_s", in_lake - start)
+            check_big(lake, big, size, expected)
+
+            os.sync()
+            if server:
+                record("baseline_upload_s", boto3_multipart(
+                    server, lake.bucket, f"boto3/big-{rep}.bin", local_big, threshold, part,
+                    args.parts_in_flight))
+            else:
+                assert lake.root is not None
+                start = time.perf_counter()
+                shutil.copyfile(local_big, lake.root / f"copy-{rep}.bin")
+                record("baseline_upload_s", time.perf_counter() - start)
+            local_big.unlink()
+
+            if args.files:
+                local_dir = work / f"local-many-{rep}"
+                local_dir.mkdir()
+                os.sync()
+                record("local_creates_s", timed_creates(local_dir, args.files, file_size))
+                many = mount.path / f"many-{rep}"
+                many.mkdir()
+                aifs_sync(many, args.sync_timeout)   # the directory marker is not timed
+                os.sync()
+                start = time.perf_counter()
+                timed_creates(many, args.files, file_size)
+                closed = time.perf_counter()
+                aifs_sync(many, args.sync_timeout)
+                in_lake = time.perf_counter()
+                record("aifs_creates_s", closed - start)
+                record("aifs_files_close_to_lake_s", in_lake - closed)
+                record("aifs_files_open_to_lake_s", in_lake - start)
+                if server:
+                    record("baseline_puts_s", boto3_puts(
+                        server, lake.bucket, f"boto3/many-{rep}/", local_dir, args.files,
+                        args.promote_workers))
+                shutil.rmtree(local_dir)
+            mount.unmount()
+            mounts.remove(mount)
+            if args.files:
+                check_many(lake, f"many-{rep}/", args.files, file_size)
+            shutil.rmtree(work / f"cache-{rep}")
+            # Free the disk (or the Ceph store) for the next run.
+            for key in (big, f"copy-{rep}.bin", f"many-{rep}"):
+                delete_prefix(lake, (lake.prefix if server else "") + key)
+            if server:
+                delete_prefix(lake, f"boto3/big-{rep}.bin")
+                delete_prefix(lake, f"boto3/many-{rep}/")
+        for name, values in runs.items():
+            results[name] = statistics.median(values)
+        results.update(size=size, files=args.files, file_size=file_size, runs=args.runs)
+        failed = False
+    finally:
+        for mount in mounts:     # only after a failure: stop the daemon hard, no flush
+            mount.kill()
+        if os.path.ismount(work / "mnt"):
+            subprocess.run(["fusermount3", "-u", "-z", str(work / "mnt")], check=False)
+        if failed and (work / "aifs.log").exists():
+            print("--- tail of the mount log ---\n" + (work / "aifs.log").read_text(
+                errors="replace")[-4000:], file=sys.stderr)
+        for stop in stops:
+            stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report(args, results)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
+    if kind == "moto":
+        port = conftest.free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                 "-p", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+        def stop_moto() -> None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        stops.append(stop_moto)
+        conftest.wait_for(lambda: conftest._http_up(port) or proc.poll() is not None, 30,
+                          "moto")
+        if proc.poll() is not None:
+            raise RuntimeError("moto server exited at start")
+        return conftest.S3Server("moto", f"http://127.0.0.1:{port}", "testing", "testing")
+    port = conftest.free_port()
+    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(conftest.free_port()),
+               CEPH_RGW_STORE_GB=str(max(20, store_gb)))
+    script = str(conftest.CEPH_SCRIPT)
+    # Registered before the start, so a half-started cluster is stopped too.
+    stops.append(lambda: subprocess.run(["bash", script, "stop", str(work / "ceph")], env=env,
+                                        capture_output=True, timeout=120))
+    result = subprocess.run(["bash", script, "start", str(work / "ceph")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
+    return conftest.S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+
+
+def report(args: argparse.Namespace, r: dict[str, float]) -> None:
+    mb = r["size"] / 1e6
+    s3 = args.lake != "local"
+    base = (f"boto3 multipart upload ({args.part_size} parts x {args.parts_in_flight} threads)"
+            if s3 else "shutil.copyfile into the lake directory")
+
+    def rate(key: str) -> str:
+        return f"{mb / r[key]:8.0f} MB/s"
+
+    print(f"\n## write benchmark: lake={args.lake} size={args.size} "
+          f"part-size={args.part_size} parts-in-flight={args.parts_in_flight} "
+          f"promote-delay={args.promote_delay}, "
+          f"median of {args.runs} interleaved runs\n")
+    print("| measurement | time | throughput | ratio |")
+    print("|---|---|---|---|")
+    print(f"| local file, 1 MiB writes until close() | {r['local_write_s']:.2f} s | "
+          f"{rate('local_write_s')} | 1.00 |")
+    print(f"| aifs, 1 MiB writes until close() | {r['aifs_write_s']:.2f} s | "
+          f"{rate('aifs_write_s')} | {r['local_write_s'] / r['aifs_write_s']:.2f} x local "
+          "(>= 0.8) |")
+    print(f"| {base} | {r['baseline_upload_s']:.2f} s | {rate('baseline_upload_s')} | 1.00 |")
+    print(f"| aifs close() until in the lake (aifs sync) | {r['aifs_close_to_lake_s']:.2f} s | "
+          f"{rate('aifs_close_to_lake_s')} | "
+          f"{r['aifs_close_to_lake_s'] / r['baseline_upload_s']:.2f} x baseline time |")
+    print(f"| aifs open() until in the lake (aifs sync) | {r['aifs_open_to_lake_s']:.2f} s | "
+          f"{rate('aifs_open_to_lake_s')} | "
+          f"{r['aifs_open_to_lake_s'] / r['baseline_upload_s']:.2f} x baseline time (<= 1.2) |")
+    if r.get("files"):
+        n = r["files"]
+        what = f"{n:.0f} files of {args.file_size}"
+        print(f"| local: create {what} | {r['local_creates_s']:.2f} s | "
+              f"{n / r['local_creates_s']:8.0f} /s | 1.00 |")
+        print(f"| aifs: create {what} | {r['aifs_creates_s']:.2f} s | "
+              f"{n / r['aifs_creates_s']:8.0f} /s | "
+              f"{r['local_creates_s'] / r['aifs_creates_s']:.2f} x local |")
+        print(f"| aifs: last close() until all in the lake | "
+              f"{r['aifs_files_close_to_lake_s']:.2f} s | | |")
+        print(f"| aifs: first open() until all in the lake | "
+              f"{r['aifs_files_open_to_lake_s']:.2f} s | "
+              f"{n / r['aifs_files_open_to_lake_s']:8.0f} files/s promoted | |")
+        if "baseline_puts_s" in r:
+            print(f"| boto3 put_object of the local files ({args.promote_workers} threads) | "
+                  f"{r['baseline_puts_s']:.2f} s | {n / r['baseline_puts_s']:8.0f} /s | "
+                  f"aifs open-to-lake {r['aifs_files_open_to_lake_s'] / r['baseline_puts_s']:.2f}"
+                  " x this time |")
+    print(f"\n(`aifs sync` times include the CLI's start, {r['aifs_cli_startup_s']:.2f} s)\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

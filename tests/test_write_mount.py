@@ -1,0 +1,662 @@
+"""The write path through a real FUSE mount, on every lake kind: POSIX behaviour,
+what reaches the lake after ``aifs sync``, and what survives ``aifs umount`` and a
+new mount on an empty cache directory."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import random
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+from conftest import lake_keys, lake_meta, lake_tree, mtime_ns_of
+
+MiB = 1 << 20
+RENAME_NOREPLACE = 1
+AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def renameat2(src: Path, dst: Path, flags: int) -> None:
+    if _libc.renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def mount_rw(lake, mounter, *extra: str, **kw):
+    return mounter(lake, "--promote-delay", "0.2", *extra, **kw)
+
+
+def sync(aifs_cli, path: Path) -> None:
+    result = aifs_cli("sync", str(path), timeout=300)
+    assert result.returncode == 0, f"aifs sync {path} failed: {result.stderr[-2000:]}"
+
+
+def assert_errno(code: int, fn, *args, **kwargs) -> None:
+    with pytest.raises(OSError) as info:
+        fn(*args, **kwargs)
+    assert info.value.errno == code, \
+        f"{fn.__name__}{args}: got {info.value!r}, expected {errno.errorcode[code]}"
+
+
+def names(path: Path) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+def assert_same(got: dict, expected: dict, what: str) -> None:
+    diff = {k: (got.get(k, "<missing>"), expected.get(k, "<missing>"))
+            for k in got.keys() | expected.keys() if got.get(k) != expected.get(k)}
+    assert not diff, f"{what} differs (got, expected): {diff}"
+
+
+# -- create, write, read ---------------------------------------------------------
+def test_create_write_read_back(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    os.makedirs(m / "d" / "e")
+    files = {"empty": b"", "one": b"x", "page": os.urandom(4097),
+             "big.bin": os.urandom(3 * MiB + 5), "d/e/nested.bin": b"nested"}
+    before = time.time_ns()
+    for name, data in files.items():
+        fd = os.open(m / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        try:
+            assert os.write(fd, data) == len(data)
+        finally:
+            os.close(fd)
+    after = time.time_ns()
+    for name, data in files.items():
+        assert (m / name).read_bytes() == data, name
+        st = os.stat(m / name)
+        assert st.st_size == len(data)
+        assert st.st_mode == stat.S_IFREG | 0o640, oct(st.st_mode)
+        assert st.st_uid == os.getuid() and st.st_gid == os.getgid()
+        assert before - 2_000_000_000 <= st.st_mtime_ns <= after + 2_000_000_000
+    assert names(m) == ["big.bin", "d", "empty", "one", "page"]
+    assert_errno(errno.EEXIST, os.open, m / "one", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    assert_errno(errno.ENOENT, os.open, m / "missing", os.O_RDONLY)
+    assert_errno(errno.ENOENT, os.open, m / "nodir" / "f", os.O_WRONLY | os.O_CREAT)
+    assert_errno(errno.ENOTDIR, os.open, m / "one" / "f", os.O_WRONLY | os.O_CREAT)
+    assert_errno(errno.EISDIR, os.open, m / "d", os.O_WRONLY)
+
+    sync(aifs_cli, m)
+    got, dirs = lake_tree(lake)
+    assert got == files and dirs == {"d", "d/e"}
+    # an overwrite of a promoted file replaces the object
+    (m / "one").write_bytes(b"second version")
+    sync(aifs_cli, m / "one")
+    assert lake.get("one") == b"second version"
+    assert (m / "one").read_bytes() == b"second version"
+
+
+def test_writes_at_odd_offsets_and_holes(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    path = mount.path / "sparse.bin"
+    model = bytearray()
+
+    def pwrite(fd: int, data: bytes, offset: int) -> None:
+        assert os.pwrite(fd, data, offset) == len(data)
+        if len(model) < offset:
+            model.extend(bytes(offset - len(model)))
+        model[offset:offset + len(data)] = data
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        pwrite(fd, b"hello", 0)
+        pwrite(fd, b"XYZ", 4095)                     # across a page edge
+        pwrite(fd, os.urandom(10_000), 12_345)
+        pwrite(fd, b"tail", 3 * MiB + 7)             # leaves a hole of ~3 MiB
+        pwrite(fd, b"middle", MiB + 1)               # into the hole
+        pwrite(fd, b"ov", 3)                         # over existing bytes
+        pwrite(fd, os.urandom(MiB + 3), 2 * MiB - 1)  # a long write across MiB edges
+        assert os.fstat(fd).st_size == len(model)
+        assert os.pread(fd, len(model) + 10, 0) == model
+        assert os.pread(fd, 1000, 1000 * 50) == bytes(1000), "a hole must read as zeros"
+        assert os.pread(fd, 10, len(model)) == b""
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == model
+    sync(aifs_cli, mount.path)
+    assert lake.get("sparse.bin") == model
+
+
+def test_modify_files_from_the_lake(lake, mounter, aifs_cli):
+    """Partial changes to objects that are only in the lake (nothing cached yet)."""
+    pre = os.urandom(3 * MiB)
+    lake.put("pre.bin", pre)
+    lake.put("log.txt", b"line1\n")
+    lake.put("cut.bin", b"C" * MiB)
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    with open(m / "pre.bin", "r+b") as fp:
+        fp.seek(MiB + 5)
+        fp.write(b"patched")
+    expected_pre = pre[:MiB + 5] + b"patched" + pre[MiB + 12:]
+    with open(m / "log.txt", "ab") as fp:
+        fp.write(b"line2\n")
+    os.truncate(m / "cut.bin", 1000)
+    os.truncate(m / "cut.bin", 2000)
+    expected = {"pre.bin": expected_pre, "log.txt": b"line1\nline2\n",
+                "cut.bin": b"C" * 1000 + bytes(1000)}
+    for name, data in expected.items():
+        assert (m / name).read_bytes() == data, name
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == (expected, set())
+
+
+def test_truncate_down_and_up(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    path = m / "t.bin"
+    data = os.urandom(10_000)
+    path.write_bytes(data)
+    os.truncate(path, 5000)
+    assert os.stat(path).st_size == 5000 and path.read_bytes() == data[:5000]
+    os.truncate(path, 2 * MiB + 3)
+    assert path.read_bytes() == data[:5000] + bytes(2 * MiB + 3 - 5000)
+    # bytes cut off must not come back when the file grows again
+    os.truncate(path, 100)
+    os.truncate(path, 10_000)
+    assert path.read_bytes() == data[:100] + bytes(9900)
+    with open(path, "r+b") as fp:
+        os.ftruncate(fp.fileno(), 50)
+        assert os.fstat(fp.fileno()).st_size == 50
+        fp.seek(0, os.SEEK_END)
+        fp.write(b"after")
+        fp.flush()
+        os.ftruncate(fp.fileno(), 60)
+    assert path.read_bytes() == data[:50] + b"after" + bytes(5)
+    (m / "o.bin").write_bytes(b"long old contents")
+    with open(m / "o.bin", "wb") as fp:  # O_TRUNC
+        fp.write(b"new")
+    (m / "zero.bin").write_bytes(b"something")
+    os.truncate(m / "zero.bin", 0)
+    assert (m / "o.bin").read_bytes() == b"new" and (m / "zero.bin").read_bytes() == b""
+    os.mkdir(m / "d")
+    assert_errno(errno.EISDIR, os.truncate, m / "d", 0)
+    assert_errno(errno.ENOENT, os.truncate, m / "missing", 0)
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"t.bin": data[:50] + b"after" + bytes(5), "o.bin": b"new",
+                                "zero.bin": b""}, {"d"})
+
+
+def test_append(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    path = mount.path / "log"
+    path.write_bytes(b"start")
+    with open(path, "ab") as fp:
+        fp.write(b"-one")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, b"-two")  # O_APPEND writes at the end wherever the offset is
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"start-one-two"
+    with open(path, "ab", buffering=0) as a, open(path, "ab", buffering=0) as b:
+        a.write(b"A")
+        b.write(b"B")
+        a.write(b"A")
+    assert path.read_bytes() == b"start-one-twoABA"
+    sync(aifs_cli, mount.path)
+    assert lake.get("log") == b"start-one-twoABA"
+
+
+# -- metadata --------------------------------------------------------------------
+def test_chmod_chown_utime(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    f, d = m / "f", m / "d"
+    f.write_bytes(b"data")
+    d.mkdir()
+    os.chmod(f, 0o640)
+    os.chmod(d, 0o711)
+    assert os.stat(f).st_mode == stat.S_IFREG | 0o640
+    assert os.stat(d).st_mode == stat.S_IFDIR | 0o711
+    os.chown(f, 1234, 5678)
+    os.chown(d, 1234, 5678)
+    assert (os.stat(f).st_uid, os.stat(f).st_gid) == (1234, 5678)
+    assert (os.stat(d).st_uid, os.stat(d).st_gid) == (1234, 5678)
+    os.chown(f, -1, 42)
+    assert (os.stat(f).st_uid, os.stat(f).st_gid) == (1234, 42)
+    mtime, atime = 1_600_000_000_123_456_789, 1_500_000_000_987_654_321
+    os.utime(f, ns=(atime, mtime))
+    os.utime(d, ns=(atime, mtime + 1))
+    assert os.stat(f).st_mtime_ns == mtime and os.stat(d).st_mtime_ns == mtime + 1
+    assert f.read_bytes() == b"data"
+    # a write moves mtime to now
+    g = m / "g"
+    g.write_bytes(b"1")
+    os.utime(g, ns=(atime, mtime))
+    before = time.time_ns()
+    with open(g, "ab") as fp:
+        fp.write(b"2")
+    assert os.stat(g).st_mtime_ns >= before - 2_000_000_000
+
+    sync(aifs_cli, m)
+    # promotion changes none of it
+    st = os.stat(f)
+    assert (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns) == \
+        (stat.S_IFREG | 0o640, 1234, 42, mtime)
+    meta = lake_meta(lake, "f")
+    assert int(meta["mode"]) == stat.S_IFREG | 0o640, meta
+    assert (meta["uid"], meta["gid"]) == ("1234", "42"), meta
+    assert mtime_ns_of(meta["mtime"]) == mtime, meta
+    assert lake.get("f") == b"data"
+
+
+def test_user_xattrs(lake, mounter, aifs_cli):
+    lake.put("in-lake", b"x")
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    f, d = m / "f", m / "d"
+    f.write_bytes(b"data")
+    d.mkdir()
+    binary = bytes(range(256))
+    os.setxattr(f, "user.color", b"blue")
+    os.setxattr(f, "user.bin", binary)
+    os.setxattr(f, "user.empty", b"")
+    assert os.getxattr(f, "user.color") == b"blue"
+    assert os.getxattr(f, "user.bin") == binary
+    assert os.getxattr(f, "user.empty") == b""
+    assert {"user.color", "user.bin", "user.empty"} <= set(os.listxattr(f))
+    os.setxattr(f, "user.color", b"red")
+    assert os.getxattr(f, "user.color") == b"red"
+    assert_errno(errno.EEXIST, os.setxattr, f, "user.color", b"x", os.XATTR_CREATE)
+    assert_errno(errno.ENODATA, os.setxattr, f, "user.nope", b"x", os.XATTR_REPLACE)
+    os.removexattr(f, "user.color")
+    assert_errno(errno.ENODATA, os.getxattr, f, "user.color")
+    assert "user.color" not in os.listxattr(f)
+    assert_errno(errno.ENODATA, os.removexattr, f, "user.color")
+    assert_errno(errno.EPERM, os.setxattr, f, "user.aifs.key", b"x")
+    with open(f, "ab") as fp:  # a write keeps the xattrs
+        fp.write(b"more")
+    assert os.getxattr(f, "user.bin") == binary
+    os.setxattr(d, "user.tag", b"dir value")
+    assert os.getxattr(d, "user.tag") == b"dir value"
+    os.setxattr(m / "in-lake", "user.k", b"v")
+    assert os.getxattr(m / "in-lake", "user.k") == b"v"
+    sync(aifs_cli, m)
+    assert os.getxattr(f, "user.bin") == binary
+    assert os.getxattr(m / "in-lake", "user.k") == b"v"
+    # stored in the lake in s3fs's format (persistence: test_remount_on_empty_cache...)
+    assert "xattr" in lake_meta(lake, "f") and "xattr" in lake_meta(lake, "in-lake")
+    assert lake.get("f") == b"datamore" and lake.get("in-lake") == b"x"
+
+
+# -- namespace -------------------------------------------------------------------
+def test_mkdir_rmdir(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    os.mkdir(m / "a")
+    os.mkdir(m / "a" / "b")
+    (m / "file").write_bytes(b"1")
+    assert stat.S_ISDIR(os.stat(m / "a" / "b").st_mode)
+    assert_errno(errno.EEXIST, os.mkdir, m / "a")
+    assert_errno(errno.EEXIST, os.mkdir, m / "file")
+    assert_errno(errno.ENOENT, os.mkdir, m / "no" / "x")
+    assert_errno(errno.ENOTDIR, os.mkdir, m / "file" / "x")
+    assert_errno(errno.ENOTEMPTY, os.rmdir, m / "a")
+    assert_errno(errno.ENOTDIR, os.rmdir, m / "file")
+    assert_errno(errno.ENOENT, os.rmdir, m / "missing")
+    os.rmdir(m / "a" / "b")
+    os.rmdir(m / "a")
+    assert names(m) == ["file"]
+    os.makedirs(m / "keep" / "inner")
+    os.mkdir(m / "gone")
+    os.mkdir(m / "holder")
+    (m / "holder" / "f").write_bytes(b"f")
+    os.rmdir(m / "gone")
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"file": b"1", "holder/f": b"f"}, {"keep", "keep/inner", "holder"})
+    # changes to directories that are in the lake
+    os.rmdir(m / "keep" / "inner")
+    os.unlink(m / "holder" / "f")  # holder stays, now empty
+    assert names(m) == ["file", "holder", "keep"] and names(m / "holder") == []
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"file": b"1"}, {"keep", "holder"})
+    assert names(m) == ["file", "holder", "keep"]
+
+
+def test_unlink(lake, mounter, aifs_cli):
+    lake.put("old.bin", b"in the lake")
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    (m / "new.bin").write_bytes(b"new")
+    sync(aifs_cli, m)
+    (m / "fresh.bin").write_bytes(b"maybe never promoted")
+    for name in ("old.bin", "new.bin", "fresh.bin"):
+        os.unlink(m / name)
+        assert_errno(errno.ENOENT, os.stat, m / name)
+        assert_errno(errno.ENOENT, os.unlink, m / name)
+    assert names(m) == []
+    os.mkdir(m / "d")
+    assert_errno(errno.EISDIR, os.unlink, m / "d")
+    assert_errno(errno.ENOENT, os.unlink, m / "d" / "nothing")
+    sync(aifs_cli, m)
+    assert lake_keys(lake) == ["d/"]
+    # the name again: a new file, nothing of the old one
+    (m / "new.bin").write_bytes(b"second")
+    assert (m / "new.bin").read_bytes() == b"second"
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"new.bin": b"second"}, {"d"})
+
+
+def test_open_unlinked_file(lake, mounter, aifs_cli):
+    lake.put("in-lake.bin", b"L" * 5000)
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    path = m / "tmp.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    lake_fd = os.open(m / "in-lake.bin", os.O_RDONLY)
+    try:
+        os.write(fd, b"before unlink")
+        os.unlink(path)
+        os.unlink(m / "in-lake.bin")
+        assert names(m) == []
+        assert_errno(errno.ENOENT, os.open, path, os.O_RDONLY)
+        assert os.pwrite(fd, b" and after", 13) == 10
+        assert os.pread(fd, 100, 0) == b"before unlink and after"
+        assert os.fstat(fd).st_size == 23
+        assert os.pread(lake_fd, 6000, 0) == b"L" * 5000
+        # the name can be used again meanwhile: another file
+        path.write_bytes(b"a new file")
+        os.pwrite(fd, b"!", 0)
+        assert path.read_bytes() == b"a new file"
+        assert os.pread(fd, 100, 0) == b"!efore unlink and after"
+        sync(aifs_cli, m)  # the unlinks reach the lake; the open files still read
+        assert os.pread(fd, 100, 0) == b"!efore unlink and after"
+        assert os.pread(lake_fd, 6000, 0) == b"L" * 5000
+    finally:
+        os.close(fd)
+        os.close(lake_fd)
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"tmp.bin": b"a new file"}, set())
+    assert names(m) == ["tmp.bin"]
+
+
+def test_rename_files(lake, mounter, aifs_cli):
+    lake.put("lake.bin", b"from the lake")
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    os.mkdir(m / "dir")
+    (m / "a").write_bytes(b"A")
+    (m / "dir" / "x").write_bytes(b"X")
+    os.rename(m / "a", m / "b")
+    assert (m / "b").read_bytes() == b"A"
+    assert_errno(errno.ENOENT, os.stat, m / "a")
+    os.rename(m / "lake.bin", m / "dir" / "moved.bin")
+    assert (m / "dir" / "moved.bin").read_bytes() == b"from the lake"
+    # over an existing file: replaced
+    (m / "victim").write_bytes(b"old contents, longer")
+    os.rename(m / "b", m / "victim")
+    assert (m / "victim").read_bytes() == b"A" and not (m / "b").exists()
+    sync(aifs_cli, m)
+    (m / "c").write_bytes(b"C")
+    os.rename(m / "c", m / "dir" / "x")  # over a file that is in the lake
+    assert (m / "dir" / "x").read_bytes() == b"C"
+    # RENAME_NOREPLACE
+    (m / "p").write_bytes(b"P")
+    (m / "q").write_bytes(b"Q")
+    assert_errno(errno.EEXIST, renameat2, m / "p", m / "q", RENAME_NOREPLACE)
+    assert (m / "p").read_bytes() == b"P" and (m / "q").read_bytes() == b"Q"
+    renameat2(m / "p", m / "r", RENAME_NOREPLACE)
+    assert (m / "r").read_bytes() == b"P" and not (m / "p").exists()
+    os.rename(m / "r", m / "r")  # onto itself: nothing happens
+    assert (m / "r").read_bytes() == b"P"
+    assert_errno(errno.ENOENT, os.rename, m / "nope", m / "z")
+    # a file renamed while open for writing: the later bytes follow it
+    fd = os.open(m / "open.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"1")
+        os.rename(m / "open.bin", m / "renamed.bin")
+        os.write(fd, b"2")
+    finally:
+        os.close(fd)
+    assert (m / "renamed.bin").read_bytes() == b"12"
+    expected = {"victim": b"A", "dir/moved.bin": b"from the lake", "dir/x": b"C",
+                "q": b"Q", "r": b"P", "renamed.bin": b"12"}
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == (expected, {"dir"})
+    assert names(m) == ["dir", "q", "r", "renamed.bin", "victim"]
+
+
+def test_rename_error_cases_and_directories(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    for d in ("full", "empty", "empty2", "d"):
+        os.mkdir(m / d)
+    (m / "full" / "f").write_bytes(b"full/f")
+    (m / "d" / "inner").write_bytes(b"d/inner")
+    (m / "file").write_bytes(b"file")
+    assert_errno(errno.EISDIR, os.rename, m / "file", m / "empty")
+    assert_errno(errno.ENOTDIR, os.rename, m / "d", m / "file")
+    assert_errno(errno.ENOTEMPTY, os.rename, m / "d", m / "full")
+    assert_errno(errno.EINVAL, os.rename, m / "d", m / "d" / "sub")
+    assert_errno(errno.ENOTDIR, os.rename, m / "file" / "x", m / "y")
+    assert_errno(errno.EEXIST, renameat2, m / "d", m / "empty2", RENAME_NOREPLACE)
+    assert names(m) == ["d", "empty", "empty2", "file", "full"]
+    sync(aifs_cli, m)
+    os.rename(m / "d", m / "empty")  # a directory over an empty one replaces it
+    assert names(m / "empty") == ["inner"] and not (m / "d").exists()
+    assert (m / "empty" / "inner").read_bytes() == b"d/inner"
+    os.rename(m / "full", m / "renamed")
+    assert (m / "renamed" / "f").read_bytes() == b"full/f" and not (m / "full").exists()
+    assert names(m) == ["empty", "empty2", "file", "renamed"]
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"file": b"file", "empty/inner": b"d/inner",
+                                "renamed/f": b"full/f"}, {"empty", "empty2", "renamed"})
+
+
+def test_rename_directory_of_1000_files(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "5")
+    m = mount.path
+    size = 4096 if lake.kind == "local" else 16
+    expected = {f"f{i:04d}": random.Random(i).randbytes(size) for i in range(1000)}
+    os.mkdir(m / "src")
+    for name, data in expected.items():
+        (m / "src" / name).write_bytes(data)
+    os.mkdir(m / "src" / "sub")
+    (m / "src" / "sub" / "deep").write_bytes(b"deep")
+    expected["sub/deep"] = b"deep"
+    sync(aifs_cli, m)
+    assert lake_tree(lake, "src/")[0] == expected
+    # some changes not yet promoted when the directory moves
+    (m / "src" / "f0000").write_bytes(b"changed")
+    (m / "src" / "new").write_bytes(b"new file")
+    expected.update({"f0000": b"changed", "new": b"new file"})
+    os.rename(m / "src", m / "dst")
+    assert not (m / "src").exists()
+    assert names(m) == ["dst"]
+    assert names(m / "dst") == sorted([n for n in expected if "/" not in n] + ["sub"])
+    for name, data in expected.items():
+        assert (m / "dst" / name).read_bytes() == data, name
+    sync(aifs_cli, m)
+    files, dirs = lake_tree(lake)
+    assert not [k for k in lake_keys(lake) if k.startswith("src")]
+    assert_same(files, {f"dst/{k}": v for k, v in expected.items()}, "lake contents")
+    assert dirs == {"dst", "dst/sub"}
+
+
+def test_symlinks(lake, mounter, aifs_cli):
+    mount = mount_rw(lake, mounter)
+    m = mount.path
+    (m / "target.txt").write_bytes(b"pointed at")
+    os.mkdir(m / "d")
+    os.symlink("target.txt", m / "rel")
+    os.symlink("/nowhere/at/all", m / "dangling")
+    os.symlink("../target.txt", m / "d" / "up")
+    assert os.readlink(m / "rel") == "target.txt"
+    assert os.readlink(m / "dangling") == "/nowhere/at/all"
+    assert os.readlink(m / "d" / "up") == "../target.txt"
+    assert stat.S_ISLNK(os.lstat(m / "rel").st_mode)
+    assert (m / "rel").read_bytes() == b"pointed at"
+    assert (m / "d" / "up").read_bytes() == b"pointed at"
+    assert os.path.lexists(m / "dangling") and not os.path.exists(m / "dangling")
+    assert_errno(errno.EEXIST, os.symlink, "x", m / "rel")
+    assert_errno(errno.EINVAL, os.readlink, m / "target.txt")
+    sync(aifs_cli, m)
+    assert lake.get("rel") == b"target.txt" and lake.get("d/up") == b"../target.txt"
+    assert stat.S_ISLNK(int(lake_meta(lake, "rel")["mode"]))
+    assert stat.S_ISLNK(int(lake_meta(lake, "dangling")["mode"]))
+    os.unlink(m / "rel")
+    assert (m / "target.txt").read_bytes() == b"pointed at"
+    sync(aifs_cli, m)
+    assert lake_tree(lake) == ({"target.txt": b"pointed at", "d/up": b"../target.txt",
+                                "dangling": b"/nowhere/at/all"}, {"d"})
+
+
+def test_hard_links_are_refused(lake, mounter):
+    mount = mount_rw(lake, mounter)
+    (mount.path / "f").write_bytes(b"1")
+    assert_errno(errno.EPERM, os.link, mount.path / "f", mount.path / "g")
+    assert names(mount.path) == ["f"]
+
+
+def test_fsync_keeps_data_across_a_daemon_crash(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "3600", name="first")
+    data = os.urandom(MiB + 1)
+    fd = os.open(mount.path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, data)
+    os.fsync(fd)
+    os.fdatasync(fd)
+    dir_fd = os.open(mount.path, os.O_RDONLY)
+    os.fsync(dir_fd)
+    os.close(dir_fd)
+    assert "f" not in lake_keys(lake)  # fsync=local: durable in the cache, not uploaded
+    mount.proc.kill()
+    mount.kill()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    again = mount_rw(lake, mounter, name="second", cache="first")
+    assert (again.path / "f").read_bytes() == data
+    sync(aifs_cli, again.path)
+    assert lake.get("f") == data
+
+
+def test_fsync_lake_waits_for_the_lake(lake, mounter):
+    mount = mounter(lake, "--promote-delay", "3600", "--fsync", "lake")
+    data = os.urandom(MiB + 1)
+    with open(mount.path / "f", "wb") as fp:
+        fp.write(data)
+        fp.flush()
+        os.fsync(fp.fileno())
+        assert lake.get("f") == data
+        fp.write(b"more")
+        fp.flush()
+        os.fsync(fp.fileno())
+        assert lake.get("f") == data + b"more"
+
+
+# -- what survives umount and a new mount on an empty cache ---------------------------
+def snapshot(root: Path) -> dict[str, dict]:
+    """Everything a user sees of each entry below root."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            entry = {"mode": oct(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
+                     "mtime_ns": st.st_mtime_ns}
+            if stat.S_ISLNK(st.st_mode):
+                entry["link"] = os.readlink(path)
+            else:
+                entry["xattrs"] = {n: os.getxattr(path, n) for n in os.listxattr(path)
+                                   if not n.startswith("user.aifs.")}
+                if stat.S_ISREG(st.st_mode):
+                    with open(path, "rb") as fp:
+                        entry["xxh3"] = xxhash.xxh3_128_hexdigest(fp.read())
+                    entry["size"] = st.st_size
+            out[os.path.relpath(path, root)] = entry
+    return out
+
+
+def test_remount_on_empty_cache_keeps_everything(lake, mounter, aifs_cli):
+    lake.put("from-lake.bin", b"lake object")
+    first = mount_rw(lake, mounter, name="first")
+    m = first.path
+    files = {"plain.txt": b"hello", "empty": b"", "big.bin": os.urandom(2 * MiB + 3),
+             "dir/owned.bin": b"owned", "dir/sub/deep.bin": b"deep",
+             "shared/x": b"x"}
+    for d in ("dir", "dir/sub", "shared", "emptydir", "a", "a/b", "a/b/c"):
+        os.mkdir(m / d)
+    for name, data in files.items():
+        (m / name).write_bytes(data)
+    os.symlink("plain.txt", m / "link")
+    os.symlink("../nowhere/x", m / "dir" / "dangling")
+    modes = {"plain.txt": 0o600, "empty": 0o644, "big.bin": 0o755, "dir/owned.bin": 0o640,
+             "dir/sub/deep.bin": 0o444, "from-lake.bin": 0o600, "shared": 0o1777,
+             "dir": 0o750, "emptydir": 0o700, "a/b/c": 0o555}
+    for name, mode in modes.items():
+        os.chmod(m / name, mode)
+    for name in ("dir/owned.bin", "dir", "from-lake.bin", "emptydir"):
+        os.chown(m / name, 1234, 5678)
+    xattrs = {"plain.txt": {"user.a": b"1", "user.bin": bytes(range(256))},
+              "dir": {"user.d": b"dir"}, "emptydir": {"user.e": b"empty dir"},
+              "from-lake.bin": {"user.l": b"lake"}}
+    for name, values in xattrs.items():
+        for key, value in values.items():
+            os.setxattr(m / name, key, value)
+    # mtimes last: entries added to a directory change its mtime
+    stamped = ["plain.txt", "empty", "big.bin", "dir/owned.bin", "dir/sub/deep.bin",
+               "shared/x", "from-lake.bin", "dir/sub", "dir", "shared", "emptydir",
+               "a/b/c", "a/b", "a"]
+    for i, name in enumerate(stamped):
+        stamp = 1_600_000_000_000_000_001 + i * 1_000_003_007
+        os.utime(m / name, ns=(stamp, stamp))
+    before = snapshot(m)
+    # what was set is what is seen
+    assert before["dir/owned.bin"]["uid"] == 1234 and before["dir/owned.bin"]["gid"] == 5678
+    assert before["shared"]["mode"] == oct(stat.S_IFDIR | 0o1777)
+    assert before["plain.txt"]["xattrs"] == xattrs["plain.txt"]
+    assert before["a/b"]["mtime_ns"] == 1_600_000_000_000_000_001 + 12 * 1_000_003_007
+    assert before["link"]["link"] == "plain.txt"
+
+    sync(aifs_cli, m)
+    got_files, got_dirs = lake_tree(lake)
+    assert_same(got_files, dict(files, **{"from-lake.bin": b"lake object",
+                                          "link": b"plain.txt",
+                                          "dir/dangling": b"../nowhere/x"}), "lake objects")
+    assert got_dirs == {"dir", "dir/sub", "shared", "emptydir", "a", "a/b", "a/b/c"}
+    keys = lake_keys(lake)
+    assert "emptydir/" in keys and "a/b/c/" in keys
+    meta = lake_meta(lake, "dir/owned.bin")
+    assert int(meta["mode"]) == stat.S_IFREG | 0o640
+    assert (meta["uid"], meta["gid"]) == ("1234", "5678")
+    assert mtime_ns_of(meta["mtime"]) == before["dir/owned.bin"]["mtime_ns"]
+    assert stat.S_ISLNK(int(lake_meta(lake, "link")["mode"]))
+
+    first.unmount()
+    second = mount_rw(lake, mounter, name="second")  # a new, empty cache directory
+    after = snapshot(second.path)
+    assert_same(after, before, "the tree after a remount on an empty cache")
+
+
+# -- the CLI around the write path -------------------------------------------------
+def test_sync_outside_a_mount_is_one_clear_line(aifs_cli, tmp_path):
+    result = aifs_cli("sync", str(tmp_path))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, \
+        result.stderr
+
+
+def test_umount_no_flush_leaves_changes_for_the_next_mount(lake, mounter, aifs_cli):
+    mount = mounter(lake, "--promote-delay", "3600", name="first")
+    data = os.urandom(MiB + 3)
+    (mount.path / "kept.bin").write_bytes(data)
+    os.mkdir(mount.path / "d")
+    (mount.path / "d" / "small").write_bytes(b"small")
+    result = aifs_cli("umount", "--no-flush", str(mount.path))
+    assert result.returncode == 0, result.stderr
+    assert mount.proc.wait(60) == 0 and not os.path.ismount(mount.path)
+    assert not {"kept.bin", "d/small"} & set(lake_keys(lake))
+    again = mount_rw(lake, mounter, name="second", cache="first")
+    assert (again.path / "kept.bin").read_bytes() == data
+    sync(aifs_cli, again.path)
+    assert lake_tree(lake) == ({"kept.bin": data, "d/small": b"small"}, {"d"})
