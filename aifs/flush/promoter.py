@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB
+MAX_PART = 5 << 30
 MAX_PARTS = 10_000
 PARTS_PER_STEP = 1000  # the part size doubles every this many parts
 
@@ -42,7 +43,7 @@ def part_size(number: int, base: int) -> int:
     Parts grow (doubling every 1000) so that an object of any size S3 allows
     (5 TiB) fits in 10,000 parts without knowing its size in advance.
     """
-    return max(base, MIN_PART) << ((number - 1) // PARTS_PER_STEP)
+    return min(MAX_PART, max(base, MIN_PART) << ((number - 1) // PARTS_PER_STEP))
 
 
 def plan_parts(size: int, base: int) -> list[tuple[int, int, int]]:
