@@ -34,7 +34,7 @@ def test_parts_grow_only_after_a_thousand():
 
 
 def test_parts_never_exceed_5_gib():
-    parts = plan_parts(5 * 1024 * GiB, 1 * GiB)  # would double to 8 GiB without the cap
+    parts = plan_parts(5 * 1024 * GiB, 3 * GiB)  # would double to 6 GiB without the cap
     assert max(length for _, _, length in parts) == 5 * GiB and len(parts) <= MAX_PARTS
 
 
