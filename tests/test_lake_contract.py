@@ -95,9 +95,12 @@ async def test_multipart(store):
     assert (await store.head("mp/big")).metadata.get("mode") == "33152"
     aborted = await store.create_multipart("mp/gone")
     await store.upload_part("mp/gone", aborted, 1, b"x")
+    assert [u for u, _ in await store.list_multipart("mp/gone")] == [aborted]
+    assert await store.list_multipart("mp/go") == []  # exactly the key, not a prefix
     await store.abort_multipart("mp/gone", aborted)
     with pytest.raises(ObjectNotFound):
         await store.head("mp/gone")
+    assert await store.list_multipart("mp/gone") == []
 
 
 async def test_delete_many_and_copy(store):

@@ -15,6 +15,7 @@ import heapq
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +36,7 @@ MIN_PART = 5 * MiB
 MAX_PART = 5 << 30
 MAX_PARTS = 10_000
 PARTS_PER_STEP = 1000  # the part size doubles every this many parts
+CLOCK_SKEW = 300.0  # seconds the lake's clock may be behind ours
 
 
 def part_size(number: int, base: int) -> int:
@@ -246,8 +248,10 @@ class Promoter:
     async def _multipart(self, inode: Inode, path: os.PathLike[str] | str, size: int,
                          metadata: dict[str, str], version: int) -> ObjectInfo | None:
         key = inode.key
+        started = time.time()
+        self.meta.record_upload(inode.ino, key, "", started)  # a crash may follow at once
         upload_id = await self.store.create_multipart(key, metadata)
-        self.meta.record_upload(inode.ino, key, upload_id)
+        self.meta.record_upload(inode.ino, key, upload_id, started)
         etags: list[tuple[int, str]] = []
         in_flight = trio.Semaphore(max(1, self.config.parts_in_flight))
         completed = False
@@ -314,12 +318,20 @@ class Promoter:
                         "version replaces it", inode.key)
 
     async def _abort_leftover_uploads(self) -> None:
-        for ino, (key, upload_id) in self.meta.uploads_in_progress().items():
+        """Abort the multipart uploads an earlier run left unfinished, those it
+        did not live to record too (found by key and start time)."""
+        for ino, (key, upload_id, started) in self.meta.uploads_in_progress().items():
             try:
-                await self.store.abort_multipart(key, upload_id)
-                log.info("aborted multipart upload of %s left by an earlier run", key)
+                if upload_id:
+                    ids = [upload_id]
+                else:
+                    ids = [found for found, initiated in await self.store.list_multipart(key)
+                           if initiated >= started - CLOCK_SKEW]
+                for one in ids:
+                    await self.store.abort_multipart(key, one)
+                    log.info("aborted multipart upload of %s left by an earlier run", key)
             except LakeError as exc:
-                log.warning("cannot abort upload %s of %s: %s", upload_id, key, exc)
+                log.warning("cannot abort an upload of %s: %s", key, exc)
                 continue
             self.meta.record_upload(ino, key, None)
 

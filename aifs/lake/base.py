@@ -70,6 +70,10 @@ class ObjectStore(abc.ABC):
     async def abort_multipart(self, key: str, upload_id: str) -> None: ...
 
     @abc.abstractmethod
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        """Unfinished multipart uploads of exactly ``key``: (upload id, started)."""
+
+    @abc.abstractmethod
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage: ...
 

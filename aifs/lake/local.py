@@ -220,6 +220,21 @@ class LocalStore(ObjectStore):
         staging = self._staging(upload_id)
         await self._run(shutil.rmtree, staging, True)
 
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        staging_root = os.path.join(self.root, STAGING)
+
+        def do() -> list[tuple[str, float]]:
+            found = []
+            for entry in os.scandir(staging_root) if os.path.isdir(staging_root) else []:
+                try:
+                    with open(os.path.join(entry.path, "key")) as fp:
+                        if fp.read() == key:
+                            found.append((entry.name, entry.stat().st_mtime))
+                except FileNotFoundError:
+                    continue
+            return found
+        return await self._run(do)
+
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
         entries = await self._run(self._list_all, prefix, delimiter)

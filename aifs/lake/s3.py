@@ -202,6 +202,13 @@ class S3Store(ObjectStore):
         except ObjectNotFound:
             pass
 
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        resp = await self._call(f"list uploads of {key}",
+                                lambda: self.client.list_multipart_uploads(
+                                    Bucket=self.bucket, Prefix=self._k(key)))
+        return [(u["UploadId"], u["Initiated"].timestamp())
+                for u in resp.get("Uploads", []) if u["Key"] == self._k(key)]
+
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix),

@@ -16,8 +16,8 @@ pending    ino                              empty: the inode has local state not
                                             the lake (``Inode.pending`` says which)
 tomb       lake key                         ino whose object must be deleted from the
                                             lake (0: none); hidden from listings
-upload     ino                              JSON {key, upload_id}: a multipart upload
-                                            in progress (aborted after a crash)
+upload     ino                              JSON {key, upload_id, started}: a multipart
+                                            upload in progress (aborted after a crash)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"schema"                        schema version
 =========  ===============================  ==========================================
@@ -256,12 +256,14 @@ class MetaStore:
                     out[bytes(key).decode("utf-8", "surrogateescape")] = _U64.unpack(value)[0]
         return out
 
-    def uploads_in_progress(self) -> dict[int, tuple[str, str]]:
+    def uploads_in_progress(self) -> dict[int, tuple[str, str, float]]:
+        """ino -> (key, upload id or "" if not known, wall time it started)."""
         with self.env.begin() as txn:
             out = {}
             for k, v in txn.cursor(db=self.uploads):
                 record = json.loads(v)
-                out[_U64.unpack(k)[0]] = (record["key"], record["upload_id"])
+                out[_U64.unpack(k)[0]] = (record["key"], record["upload_id"],
+                                          record.get("started", 0.0))
         return out
 
     # -- writes -----------------------------------------------------------
@@ -463,13 +465,16 @@ class MetaStore:
         with self.env.begin(write=True) as txn:
             txn.delete(key_bytes(key), db=self.tombs)
 
-    def record_upload(self, ino: int, key: str, upload_id: str | None) -> None:
+    def record_upload(self, ino: int, key: str, upload_id: str | None,
+                      started: float = 0.0) -> None:
+        """Record a multipart upload: ``upload_id`` "" before it is created (a
+        crash then leaves an upload we must find by key), None once it ended."""
         with self.env.begin(write=True) as txn:
             if upload_id is None:
                 txn.delete(u64(ino), db=self.uploads)
             else:
-                txn.put(u64(ino), json.dumps({"key": key, "upload_id": upload_id}).encode(),
-                        db=self.uploads)
+                record = {"key": key, "upload_id": upload_id, "started": started}
+                txn.put(u64(ino), json.dumps(record).encode(), db=self.uploads)
 
     def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
                       started: float | None = None) -> tuple[list[int], list[int]]:
