@@ -127,6 +127,7 @@ class Filesystem:
         self._writers: dict[int, int] = {}
         self._written: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime_ns) of writers
         self._unsaved: set[int] = set()  # ... changed since last stored in LMDB
+        self._marked_dirty: set[int] = set()  # ... whose DATA flag is set in LMDB
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
         self._disk = trio.CapacityLimiter(8)
@@ -717,6 +718,8 @@ class Filesystem:
 
     async def _make_local(self, ino: int) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns)."""
+        if ino in self._marked_dirty and ino in self._written and self.local.has(ino):
+            return self._written[ino]  # the common case: no metadata transaction
         if ino not in self._written or not self.local.has(ino):
             lock = self._materializing.setdefault(ino, trio.Lock())
             async with lock:
@@ -730,6 +733,7 @@ class Filesystem:
         if inode is not None and not inode.pending & DATA:
             self.meta.update(ino, pending=inode.pending | DATA, ctime=self.clock())
             self.local.mark_dirty(ino)
+        self._marked_dirty.add(ino)
         return self._written[ino]
 
     async def _materialize(self, inode: Inode, size: int | None = None) -> None:
@@ -802,6 +806,7 @@ class Filesystem:
     def _forget_written(self, ino: int) -> None:
         self._written.pop(ino, None)
         self._unsaved.discard(ino)
+        self._marked_dirty.discard(ino)
 
     def _save_written(self, ino: int) -> None:
         """Store the in-memory size and mtime of a file being written."""
@@ -874,6 +879,7 @@ class Filesystem:
 
     def promoted(self, ino: int, inode: Inode) -> None:
         """``inode`` reached the lake: what was cached is that version now."""
+        self._marked_dirty.discard(ino)  # the next write marks it dirty again
         if ino in self._kernel_etag:
             self._kernel_etag[ino] = inode.etag
         version = ObjectVersion(inode.key, inode.etag, inode.size)

@@ -200,19 +200,25 @@ class Promoter:
             info = await self._upload(inode, version)
         else:
             info = await self._write_metadata(inode)
-        if info is None or self.host.change_count(ino) != version:
+        if info is None:
+            self.schedule(ino)  # changed before anything landed: promote it later
+            return
+        current = self.meta.get(ino)
+        if current is None or current.orphan or current.key != key:
+            # Renamed or deleted while it uploaded: what landed under the old
+            # key belongs to no one (unless a new file took the name).
+            if self.meta.owner_of(key) is None:
+                self.meta.add_tombstone(key)
+                self.tombstones_changed()
+            if current is not None and not current.orphan:
+                self.schedule(ino, 0.0)
+            return
+        if self.host.change_count(ino) != version:
             self.schedule(ino)  # changed meanwhile: promote the newer state later
             return
         done = inode.pending
         settled = self.meta.settle(ino, key, done, etag=info.etag)
         if settled is None:
-            return
-        if settled.key != key:
-            # Renamed during the upload: the object under the old key is stale.
-            if self.meta.owner_of(key) is None:
-                self.meta.add_tombstone(key)
-                self.tombstones_changed()
-            self.schedule(ino, 0.0)
             return
         if done & DATA and not settled.pending:
             self.files.mark_clean(ino)
