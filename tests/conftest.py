@@ -3,6 +3,7 @@ RADOS Gateway when the script is there) and real FUSE mounts in subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -69,15 +70,17 @@ def _http_up(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory) -> Iterator[S3Server]:
+@contextlib.contextmanager
+def moto_process(log_path: Path | None = None) -> Iterator[S3Server]:
+    """A moto S3 server process on 127.0.0.1, stopped on exit."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                              "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: _http_up(port) or proc.poll() is not None, 30, "moto server")
-        assert proc.poll() is None, "moto server exited at start"
+        if proc.poll() is not None:
+            raise RuntimeError("moto server exited at start")
         yield S3Server("moto", f"http://127.0.0.1:{port}", "testing", "testing")
     finally:
         proc.terminate()
@@ -86,7 +89,32 @@ def moto_server(tmp_path_factory) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
+        if log_path:
+            log.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def ceph_process(directory: Path, store_gb: int = 20) -> Iterator[S3Server]:
+    """A Ceph RADOS Gateway (ceph-rgw.sh) on 127.0.0.1, stopped on exit, even a
+    half-started one."""
+    port = free_port()
+    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(free_port()),
+               CEPH_RGW_STORE_GB=str(store_gb))
+    try:
+        result = subprocess.run(["bash", str(CEPH_SCRIPT), "start", str(directory)], env=env,
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
+        yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+    finally:
+        subprocess.run(["bash", str(CEPH_SCRIPT), "stop", str(directory)], env=env,
+                       capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory) -> Iterator[S3Server]:
+    with moto_process(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -97,18 +125,8 @@ def ceph_server(tmp_path_factory) -> Iterator[S3Server]:
     if os.environ.get("AIFS_SKIP_CEPH") == "1":
         pytest.skip("Ceph RGW tier skipped: AIFS_SKIP_CEPH=1")
     directory = Path(os.environ.get("AIFS_CEPH_DIR") or tmp_path_factory.mktemp("ceph"))
-    port = free_port()
-    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(free_port()),
-               CEPH_RGW_STORE_GB="20")
-    result = subprocess.run(["bash", str(CEPH_SCRIPT), "start", str(directory)], env=env,
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
-    try:
-        yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
-    finally:
-        subprocess.run(["bash", str(CEPH_SCRIPT), "stop", str(directory)], env=env,
-                       capture_output=True, timeout=120)
+    with ceph_process(directory) as server:
+        yield server
 
 
 class Lake:

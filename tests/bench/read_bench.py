@@ -10,6 +10,7 @@ Needs root (drops the page cache) and /dev/fuse. Unmounts and stops all it start
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -182,22 +183,12 @@ def stat_bench(lake: conftest.Lake, work: Path, count: int,
 
 
 def start_server(kind: str, work: Path, stops: list) -> conftest.S3Server:
+    """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
+    stack = contextlib.ExitStack()
+    stops.append(stack.close)
     if kind == "moto":
-        port = conftest.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        stops.append(lambda: (proc.terminate(), proc.wait(10)))
-        conftest.wait_for(lambda: conftest._http_up(port), 30, "moto")
-        return conftest.S3Server("moto", f"http://127.0.0.1:{port}", "testing", "testing")
-    port = conftest.free_port()
-    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(conftest.free_port()))
-    script = str(conftest.CEPH_SCRIPT)
-    subprocess.run(["bash", script, "start", str(work / "ceph")], env=env, check=True,
-                   capture_output=True)
-    stops.append(lambda: subprocess.run(["bash", script, "stop", str(work / "ceph")], env=env,
-                                        capture_output=True))
-    return conftest.S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+        return stack.enter_context(conftest.moto_process())
+    return stack.enter_context(conftest.ceph_process(work / "ceph", 20))
 
 
 def report(args: argparse.Namespace, size: int, r: dict[str, float]) -> None:

@@ -13,6 +13,7 @@ Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -295,37 +296,12 @@ def main() -> int:
 
 
 def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
+    """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
+    stack = contextlib.ExitStack()
+    stops.append(stack.close)
     if kind == "moto":
-        port = conftest.free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-
-        def stop_moto() -> None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        stops.append(stop_moto)
-        conftest.wait_for(lambda: conftest._http_up(port) or proc.poll() is not None, 30,
-                          "moto")
-        if proc.poll() is not None:
-            raise RuntimeError("moto server exited at start")
-        return conftest.S3Server("moto", f"http://127.0.0.1:{port}", "testing", "testing")
-    port = conftest.free_port()
-    env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(conftest.free_port()),
-               CEPH_RGW_STORE_GB=str(max(20, store_gb)))
-    script = str(conftest.CEPH_SCRIPT)
-    # Registered before the start, so a half-started cluster is stopped too.
-    stops.append(lambda: subprocess.run(["bash", script, "stop", str(work / "ceph")], env=env,
-                                        capture_output=True, timeout=120))
-    result = subprocess.run(["bash", script, "start", str(work / "ceph")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
-    return conftest.S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+        return stack.enter_context(conftest.moto_process())
+    return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
 
 
 def report(args: argparse.Namespace, r: dict[str, float]) -> None:
