@@ -214,7 +214,10 @@ class Promoter:
                 self.schedule(ino, 0.0)
             return
         if self.host.change_count(ino) != version:
-            self.schedule(ino)  # changed meanwhile: promote the newer state later
+            # Changed meanwhile: promote the newer state later. The lake holds
+            # this version now: remember it, so a rename or unlink deletes it.
+            self.meta.update(ino, etag=info.etag)
+            self.schedule(ino)
             return
         done = inode.pending
         settled = self.meta.settle(ino, key, done, etag=info.etag)
