@@ -784,6 +784,7 @@ class Filesystem:
         self.local.resized(ino, size)
         self._save_written(ino)
         if not self._writers.get(ino):
+            self._forget_written(ino)  # saved; no writer keeps it in memory
             self._schedule(ino)
 
     async def _reserve(self, incoming: int) -> None:
