@@ -394,7 +394,8 @@ def lake_uploads(lake: Lake) -> list[str]:
         return found
     assert lake.root is not None
     try:
-        return sorted(os.listdir(lake.root / LOCAL_STAGING))
+        return sorted(name for name in os.listdir(lake.root / LOCAL_STAGING)
+                      if not name.startswith(".aifs-tmp-"))  # a create cut short: no upload
     except FileNotFoundError:
         return []
 

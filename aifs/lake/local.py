@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -110,6 +111,18 @@ class LocalStore(ObjectStore):
             raise BucketNotFound(f"local lake directory {self.root} does not exist")
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise LakeError(f"local lake directory {self.root} is not readable")
+        await self._run(self._drop_stale_temporaries)
+
+    def _drop_stale_temporaries(self) -> None:
+        """Uploads whose creation a crash cut short (an hour old: not another
+        mount's, still being created)."""
+        staging = os.path.join(self.root, STAGING)
+        if not os.path.isdir(staging):
+            return
+        for entry in os.scandir(staging):
+            if entry.name.startswith(TMP_PREFIX) and \
+                    entry.stat().st_mtime < time.time() - 3600:
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     async def head(self, key: str) -> ObjectInfo:
         path = self._path(key)
@@ -170,12 +183,16 @@ class LocalStore(ObjectStore):
         upload_id = uuid.uuid4().hex
 
         def do() -> str:
+            # Built under a temporary name and renamed: an upload is never
+            # visible without its key (a crash may come at any point).
             staging = self._staging(upload_id)
-            os.makedirs(staging)
-            with open(os.path.join(staging, "key"), "w") as fp:
+            tmp = os.path.join(os.path.dirname(staging), f"{TMP_PREFIX}{upload_id}")
+            os.makedirs(tmp)
+            with open(os.path.join(tmp, "key"), "w") as fp:
                 fp.write(key)
             for name, value in (metadata or {}).items():
-                os.setxattr(staging, META_XATTR + name, value.encode())
+                os.setxattr(tmp, META_XATTR + name, value.encode())
+            os.rename(tmp, staging)
             return upload_id
         return await self._run(do)
 
@@ -226,6 +243,8 @@ class LocalStore(ObjectStore):
         def do() -> list[tuple[str, float]]:
             found = []
             for entry in os.scandir(staging_root) if os.path.isdir(staging_root) else []:
+                if not entry.name.isalnum():
+                    continue  # one being created
                 try:
                     with open(os.path.join(entry.path, "key")) as fp:
                         if fp.read() == key:
