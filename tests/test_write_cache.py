@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 from conftest import wait_for
@@ -100,3 +101,14 @@ def test_this_nodes_write_wins_over_an_unseen_change_with_a_warning(lake, mounte
     _sync(aifs_cli, mount.path)
     assert lake.get("shared.txt") == b"version 1!"
     assert "changed in the lake since this node read it" in mount.log_text()
+
+
+def test_sigterm_promotes_before_the_daemon_exits(lake, mounter):
+    """systemd stops a mount with SIGTERM: what is pending reaches the lake first."""
+    mount = mounter(lake, "--promote-delay", "3600")
+    (mount.path / "late.bin").write_bytes(b"written just before the stop")
+    assert _in_lake(lake, "late.bin") is None
+    mount.proc.terminate()
+    assert mount.proc.wait(60) == 0
+    assert not os.path.ismount(mount.path)
+    assert lake.get("late.bin") == b"written just before the stop"
