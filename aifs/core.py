@@ -24,6 +24,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import trio
 
@@ -33,7 +34,7 @@ from aifs.config import Config
 from aifs.errors import FsError, LakeError, ObjectNotFound
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
-from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, default_mode, encode_xattrs
+from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.store import (
     DATA,
@@ -136,7 +137,7 @@ class Filesystem:
         self.flush_on_unmount = True
         self.write_requests = 0
         self.write_bytes = 0
-        local.in_use = self._is_open
+        local.in_use = self.is_open
         cache.others = lambda: local.used
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -165,9 +166,7 @@ class Filesystem:
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
-        kind_bits = {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK}.get(inode.kind, stat.S_IFREG)
-        mode = kind_bits | (inode.mode or default_mode(inode.kind))
-        return Attributes(inode.ino, mode, 2 if inode.is_dir else 1,
+        return Attributes(inode.ino, st_mode(inode), 2 if inode.is_dir else 1,
                           self.uid if inode.uid < 0 else inode.uid,
                           self.gid if inode.gid < 0 else inode.gid,
                           inode.size, inode.mtime_ns,
@@ -177,7 +176,11 @@ class Filesystem:
         inode = self.meta.get(ino)
         if inode is None:
             raise FsError(errno.ENOENT)
-        written = self._written.get(ino)
+        return self._with_written(inode)
+
+    def _with_written(self, inode: Inode) -> Inode:
+        """``inode`` with the size and mtime of writes not yet stored."""
+        written = self._written.get(inode.ino)
         if written is not None:
             inode.size, inode.mtime_ns = written
         return inode
@@ -266,7 +269,7 @@ class Filesystem:
             self._free_if_unused(ino)
         for ino in replaced:  # another writer's version: our clean copy is stale
             if self.local.has(ino):
-                if self._is_open(ino):
+                if self.is_open(ino):
                     self._stale_local.add(ino)
                 else:
                     self.local.remove(ino)
@@ -299,12 +302,12 @@ class Filesystem:
             self.lookups.pop(ino, None)
             self._free_if_unused(ino)
 
-    def _is_open(self, ino: int) -> bool:
+    def is_open(self, ino: int) -> bool:
         return self._opens.get(ino, 0) > 0
 
     def _free_if_unused(self, ino: int) -> None:
         """Drop an orphan nobody refers to any more, with its local data."""
-        if self.lookups.get(ino) or self._is_open(ino):
+        if self.lookups.get(ino) or self.is_open(ino):
             return
         inode = self.meta.get(ino)
         if inode is None or not inode.orphan:
@@ -386,13 +389,8 @@ class Filesystem:
         ino = self.dirs.get(fh)
         if ino is None:
             raise FsError(errno.EBADF)
-        batch = self.meta.readdir(ino, after_cookie, READDIR_BATCH)
-        for i, (cookie, name, inode) in enumerate(batch):
-            written = self._written.get(inode.ino)
-            if written is not None:
-                inode.size, inode.mtime_ns = written
-                batch[i] = (cookie, name, inode)
-        return batch
+        return [(cookie, name, self._with_written(inode))
+                for cookie, name, inode in self.meta.readdir(ino, after_cookie, READDIR_BATCH)]
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -428,21 +426,23 @@ class Filesystem:
         """A directory's entries changed: its mtime moves (kept locally only)."""
         self.meta.update(ino, mtime_ns=time.time_ns(), ctime=self.clock())
 
-    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-                     gid: int) -> tuple[int, Inode]:
+    async def _new_file(self, parent: int, name: bytes, mode: int, uid: int,
+                        gid: int) -> Inode:
         directory = await self._new_entry(parent, name)
         inode = self._add(directory, name, FILE, mode, uid, gid, DATA)
         self.local.create(inode.ino)
         self._kernel_etag[inode.ino] = inode.etag
-        fh = self._open_handle(inode, writable=True)
-        return fh, inode
+        return inode
+
+    async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+                     gid: int) -> tuple[int, Inode]:
+        inode = await self._new_file(parent, name, mode, uid, gid)
+        return self._open_handle(inode, writable=True), inode
 
     async def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         if not stat.S_ISREG(mode):
             raise FsError(errno.EPERM)  # devices, FIFOs and sockets have no lake form
-        directory = await self._new_entry(parent, name)
-        inode = self._add(directory, name, FILE, mode, uid, gid, DATA)
-        self.local.create(inode.ino)
+        inode = await self._new_file(parent, name, mode, uid, gid)
         self._schedule(inode.ino)
         return inode
 
@@ -471,22 +471,21 @@ class Filesystem:
             inode = self.meta.update(ino, target=_name(data)) or inode
         return inode.target.encode("utf-8", "surrogateescape")
 
-    async def unlink(self, parent: int, name: bytes) -> None:
-        directory = self._directory(parent)
-        await self._ensure_listed(directory)
+    async def _child(self, parent: int, name: bytes) -> Inode:
+        """An existing child of a listed directory."""
+        await self._ensure_listed(self._directory(parent))
         child = self.meta.lookup(parent, name)
         if child is None:
             raise FsError(errno.ENOENT)
-        if child.is_dir:
+        return child
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        if (await self._child(parent, name)).is_dir:
             raise FsError(errno.EISDIR)
         self._remove(parent, name)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        directory = self._directory(parent)
-        await self._ensure_listed(directory)
-        child = self.meta.lookup(parent, name)
-        if child is None:
-            raise FsError(errno.ENOENT)
+        child = await self._child(parent, name)
         if not child.is_dir:
             raise FsError(errno.ENOTDIR)
         await self._ensure_listed(child)
@@ -502,7 +501,7 @@ class Filesystem:
             self._free_if_unused(removed.ino)
         self.promoter.tombstones_changed()
 
-    def link(self) -> None:
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> NoReturn:
         raise FsError(errno.EPERM)  # hard links: an object has one key
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int,
@@ -716,8 +715,12 @@ class Filesystem:
                 log.error("local cache disk full: write refused")
             raise FsError(exc.errno or errno.EIO) from None
 
-    async def _make_local(self, ino: int) -> tuple[int, int]:
-        """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns)."""
+    async def _make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
+        """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).
+
+        A copy is fetched from the lake once (its first ``needed`` bytes, default
+        all: a truncate needs no more), however many writers ask at once.
+        """
         if ino in self._marked_dirty and ino in self._written and self.local.has(ino):
             return self._written[ino]  # the common case: no metadata transaction
         if ino not in self._written or not self.local.has(ino):
@@ -725,7 +728,7 @@ class Filesystem:
             async with lock:
                 inode = self._inode(ino)
                 if not self.local.has(ino):
-                    await self._materialize(inode)
+                    await self._materialize(inode, needed)
                 self._written.setdefault(ino, (inode.size, inode.mtime_ns))
                 if self._materializing.get(ino) is lock and not lock.statistics().tasks_waiting:
                     del self._materializing[ino]
@@ -765,15 +768,9 @@ class Filesystem:
 
     async def _truncate(self, inode: Inode, size: int) -> None:
         ino = inode.ino
-        if not self.local.has(ino):
-            lock = self._materializing.setdefault(ino, trio.Lock())
-            async with lock:
-                if not self.local.has(ino):
-                    await self._materialize(inode, size)
-        self._written.setdefault(ino, (inode.size, inode.mtime_ns))
-        await self._make_local(ino)
-        if size > self._written[ino][0]:
-            await self._reserve(size - self._written[ino][0])
+        current, _ = await self._make_local(ino, needed=size)
+        if size > current:
+            await self._reserve(size - current)
         try:
             os.ftruncate(self.local.fd(ino), size)
         except OSError as exc:
@@ -857,8 +854,10 @@ class Filesystem:
         if ino in self._stale_local:
             self._stale_local.discard(ino)
             self.local.remove(ino)
+        inode = self.meta.get(ino)
         self._free_if_unused(ino)
-        self.promoter.tombstones_changed()
+        if inode is not None and inode.orphan:
+            self.promoter.tombstones_changed()  # its delete waited for the last close
 
     # -- promotion host ------------------------------------------------------------
     def promotable(self, ino: int, force: bool) -> Inode | None:
@@ -874,9 +873,6 @@ class Filesystem:
 
     def change_count(self, ino: int) -> int:
         return self._changes.get(ino, 0)
-
-    def is_open(self, ino: int) -> bool:
-        return self._is_open(ino)
 
     def promoted(self, ino: int, inode: Inode) -> None:
         """``inode`` reached the lake: what was cached is that version now."""

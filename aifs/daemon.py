@@ -158,23 +158,27 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         raise ConfigError(f"cannot mount on {mountpoint}: {exc}") from None
     log.info("mounted %s on %s (cache %s)", store.description, mountpoint, cache_dir)
     mounted = True
+
+    def unmount() -> None:
+        nonlocal mounted
+        if mounted:
+            mounted = False
+            sd_notify("STOPPING=1")
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", mountpoint)
+
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(_on_signals)
             nursery.start_soon(_announce_ready, mountpoint, report, config)
             await pyfuse3.main()
-            sd_notify("STOPPING=1")
-            pyfuse3.close(unmount=True)
-            mounted = False
-            log.info("unmounted %s", mountpoint)
+            unmount()
             # The mount is gone; the promoter still runs: finish what is pending.
             await fs.drain()
             nursery.cancel_scope.cancel()
     finally:
-        if mounted:
-            sd_notify("STOPPING=1")
-            pyfuse3.close(unmount=True)
+        unmount()
         local.close()
         meta.close()
         await store.aclose()

@@ -30,6 +30,11 @@ def default_mode(kind: str) -> int:
     return {DIR: 0o755, LINK: 0o777}.get(kind, 0o644)
 
 
+def st_mode(inode: Inode) -> int:
+    """The full st_mode (type bits and permissions) of ``inode``."""
+    return type_bits(inode.kind) | (inode.mode or default_mode(inode.kind))
+
+
 def encode_xattrs(xattrs: dict[str, str]) -> str:
     return urllib.parse.quote(json.dumps(xattrs, separators=(",", ":"), sort_keys=True),
                               safe="")
@@ -39,7 +44,7 @@ def to_metadata(inode: Inode, uid: int, gid: int) -> dict[str, str]:
     """The user metadata stored with ``inode``'s object."""
     seconds, nanos = divmod(inode.mtime_ns, 1_000_000_000)
     meta = {
-        "mode": str(type_bits(inode.kind) | (inode.mode or default_mode(inode.kind))),
+        "mode": str(st_mode(inode)),
         "uid": str(uid if inode.uid < 0 else inode.uid),
         "gid": str(gid if inode.gid < 0 else inode.gid),
         "mtime": f"{seconds}.{nanos:09d}" if nanos else str(seconds),

@@ -332,7 +332,7 @@ class MetaStore:
         listed as a file) a new inode number: the kernel cannot change the
         type of an inode it knows. The old number becomes an orphan."""
         with self.env.begin(write=True) as txn:
-            parent = self.get_parent_entry(txn, inode)
+            parent = self._entry_of(txn, inode)
             if parent is None:
                 return inode
             name, value = parent
@@ -346,8 +346,7 @@ class MetaStore:
             self._put(txn, inode)
         return inode
 
-    def get_parent_entry(self, txn: lmdb.Transaction,
-                         inode: Inode) -> tuple[bytes, bytes] | None:
+    def _entry_of(self, txn: lmdb.Transaction, inode: Inode) -> tuple[bytes, bytes] | None:
         """(name, dentry value) of ``inode`` in its parent, found by its key."""
         name = key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])
         value = txn.get(u64(inode.parent) + name, db=self.dentries)

@@ -93,7 +93,7 @@ class BlockFetcher:
             fd = self._block_fd(version, index, slot)
             if fd is not None:
                 self.stats.disk_hits += 1
-                return await self._read_file(fd, lo, hi - lo)
+                return await read_at(fd, lo, hi - lo, self._disk_limiter)
         return memoryview(await self.block(version, index))[lo:hi]
 
     def _block_fd(self, version: ObjectVersion, index: int,
@@ -118,9 +118,6 @@ class BlockFetcher:
         while len(self._fds) > self.max_open_blocks:
             os.close(self._fds.popitem(last=False)[1])
         return fd
-
-    async def _read_file(self, fd: int, offset: int, length: int) -> bytes | memoryview:
-        return await read_at(fd, offset, length, self._disk_limiter)
 
     async def block(self, version: ObjectVersion, index: int) -> bytes:
         """The whole block ``index`` of ``version``."""
