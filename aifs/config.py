@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aifs.errors import ConfigError
+from aifs.policy import DEFAULT_MARKERS, DEFAULT_STAGING, Policies
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -87,6 +88,28 @@ class Config:
     object_attrs: bool = _option(True, "Read POSIX attributes (mode, owner, mtime, xattrs, "
                                  "symlinks) from object metadata with one HEAD per object "
                                  "on its first lookup; false trusts listings alone.", "bool")
+    policy_rules: list[str] = field(default_factory=list, metadata={
+        "doc": "Extra PATTERN=POLICY rules (policies: checkpoint, dataset, weights, "
+               "default), checked before the built-in ones; the xattr user.aifs.policy "
+               "on a file or directory overrides both.", "kind": "list", "env": True})
+    checkpoint_markers: list[str] = field(default_factory=lambda: list(DEFAULT_MARKERS),
+                                          metadata={
+        "doc": "Names of checkpoint commit markers: a marker reaches the lake only after "
+               "every checkpoint file under its directory written before it.",
+        "kind": "list", "env": True})
+    checkpoint_staging: list[str] = field(default_factory=lambda: list(DEFAULT_STAGING),
+                                          metadata={
+        "doc": "Names a checkpoint is written under before a rename commits it; held "
+               "back from the lake so they are promoted once, under the final name.",
+        "kind": "list", "env": True})
+    staging_hold: float = _option(300.0, "Seconds a file under a staging name waits for "
+                                  "its rename before it is promoted anyway.", "float")
+    checkpoint_keep: int = _option(2, "Newest checkpoints of each checkpoint directory "
+                                   "kept on the local tier after promotion (evicted last).",
+                                   "int")
+    stream_checkpoints: bool = _option(True, "Upload parts of a checkpoint file written "
+                                       "sequentially while it is still being written.",
+                                       "bool")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
     log_level: str = _option("info", "Logging level: debug, info, warning, error.")
@@ -113,6 +136,10 @@ class Config:
         base = "/var/cache/aifs" if os.geteuid() == 0 else os.path.expanduser("~/.cache/aifs")
         return Path(base) / ident
 
+    def policies(self) -> Policies:
+        return Policies.from_config(self.policy_rules, self.checkpoint_markers,
+                                    self.checkpoint_staging)
+
     def validate(self) -> None:
         if self.block_size < 64 * 1024 or self.block_size > 1 << 30:
             raise ConfigError("block_size must be between 64K and 1G")
@@ -131,6 +158,9 @@ class Config:
                               "parts_in_flight must be at least 1")
         if self.fsync not in ("local", "lake"):
             raise ConfigError(f"fsync must be 'local' or 'lake', not {self.fsync!r}")
+        if self.staging_hold < 0 or self.checkpoint_keep < 0:
+            raise ConfigError("staging_hold and checkpoint_keep must not be negative")
+        self.policies()
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
 

@@ -30,6 +30,7 @@ import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.cache.files import LocalFiles
+from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError, LakeError, ObjectNotFound
 from aifs.flush.promoter import Promoter
@@ -49,6 +50,7 @@ from aifs.meta.store import (
     MetaStore,
     valid_name,
 )
+from aifs.policy import POLICIES, POLICY_XATTR
 from aifs.read.fetcher import BlockFetcher, read_at
 from aifs.read.readahead import Readahead
 
@@ -118,6 +120,9 @@ class Filesystem:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.promoter = Promoter(self, store, meta, local, config, self.uid, self.gid)
+        self.checkpoints = Checkpoints(config, meta, local,
+                                       is_writing=lambda ino: bool(self._writers.get(ino)),
+                                       clock=clock)
         self.lookups: dict[int, int] = {}
         self.files: dict[int, OpenFile] = {}
         self.dirs: dict[int, int] = {}
@@ -437,7 +442,9 @@ class Filesystem:
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Inode]:
         inode = await self._new_file(parent, name, mode, uid, gid)
-        return self._open_handle(inode, writable=True), inode
+        fh = self._open_handle(inode, writable=True)
+        self._maybe_stream(inode)
+        return fh, inode
 
     async def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         if not stat.S_ISREG(mode):
@@ -497,6 +504,7 @@ class Filesystem:
         removed = self.meta.remove(parent, name)
         self._touch_dir(parent)
         if removed is not None:
+            self.promoter.streams.cancel(removed.ino, "deleted")
             self._forget_written(removed.ino)
             self._free_if_unused(removed.ino)
         self.promoter.tombstones_changed()
@@ -548,7 +556,11 @@ class Filesystem:
         self._touch_dir(old_parent)
         if new_parent != old_parent:
             self._touch_dir(new_parent)
+        self.checkpoints.committed_by_rename(moved)
+        if not moved.is_dir:
+            self.promoter.streams.cancel(moved.ino, "renamed")
         if replaced is not None:
+            self.promoter.streams.cancel(replaced.ino, "replaced")
             self._forget_written(replaced.ino)
             self._free_if_unused(replaced.ino)
         if moved.pending:
@@ -586,6 +598,9 @@ class Filesystem:
             return [source.key], {new_key: etag}
         old_keys: list[str] = []
         copies: list[tuple[str, str]] = []
+        markers: list[tuple[str, str]] = []  # copied after the rest
+        unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
+                         for i in self.meta.pending_inodes())
         async for page in self.store.iter_list(source.key, None):
             for obj in page.objects:
                 old_keys.append(obj.key)
@@ -595,7 +610,13 @@ class Filesystem:
                 owner_inode = self.meta.get(owner) if owner else None
                 if owner_inode is not None and owner_inode.pending & DATA:
                     continue  # uploaded under its new key later
-                copies.append((obj.key, new_key + obj.key[len(source.key):]))
+                pair = (obj.key, new_key + obj.key[len(source.key):])
+                if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
+                    if unpromoted and self.local.has(owner_inode.ino):
+                        continue  # uploaded again, after the data it commits
+                    markers.append(pair)
+                else:
+                    copies.append(pair)
         etags: dict[str, str] = {}
         limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
 
@@ -610,9 +631,12 @@ class Filesystem:
                 except LakeError as exc:
                     failures.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for src, dst in copies:
-                nursery.start_soon(copy, src, dst)
+        for batch in (copies, markers):
+            async with trio.open_nursery() as nursery:
+                for src, dst in batch:
+                    nursery.start_soon(copy, src, dst)
+            if failures:
+                break
         if failures:
             # The rename fails as a whole: the copies already made are deleted.
             for dst in etags:
@@ -643,7 +667,16 @@ class Filesystem:
                 self.release(fh)
                 raise
             keep_cache = False
+            self._maybe_stream(inode)
         return fh, keep_cache
+
+    def _maybe_stream(self, inode: Inode) -> None:
+        """A file opened empty for writing: a checkpoint is uploaded as it is written."""
+        if self.checkpoints.streams(inode):
+            metadata = object_metadata(inode, self.uid, self.gid)
+            metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
+            self.promoter.streams.candidate(inode.ino, inode.key,
+                                            str(self.local.path(inode.ino)), metadata)
 
     def _open_handle(self, inode: Inode, writable: bool) -> int:
         fh = next(self._handles)
@@ -698,6 +731,7 @@ class Filesystem:
         written = await self._pwrite(self.local.fd(ino), data, offset)
         self.write_requests += 1
         self.write_bytes += written
+        self.promoter.streams.wrote(ino, offset, written)
         size = max(self._written[ino][0], offset + written)
         self._written[ino] = (size, time.time_ns())
         self._unsaved.add(ino)
@@ -768,6 +802,7 @@ class Filesystem:
 
     async def _truncate(self, inode: Inode, size: int) -> None:
         ino = inode.ino
+        self.promoter.streams.cancel(ino, "truncated")
         current, _ = await self._make_local(ino, needed=size)
         if size > current:
             await self._reserve(size - current)
@@ -842,6 +877,9 @@ class Filesystem:
             else:
                 self._writers.pop(ino, None)
                 self._save_written(ino)
+                if ino in self._written:
+                    self.promoter.streams.closed(ino, self._written[ino][0],
+                                                 self.change_count(ino))
                 self._forget_written(ino)
                 inode = self.meta.get(ino)
                 if inode is not None and inode.pending and not inode.orphan:
@@ -874,8 +912,12 @@ class Filesystem:
     def change_count(self, ino: int) -> int:
         return self._changes.get(ino, 0)
 
+    def wait_before_promoting(self, inode: Inode, force: bool) -> float:
+        return self.checkpoints.wait_before_promoting(inode, force)
+
     def promoted(self, ino: int, inode: Inode) -> None:
         """``inode`` reached the lake: what was cached is that version now."""
+        self.checkpoints.promoted(inode)
         self._marked_dirty.discard(ino)  # the next write marks it dirty again
         if ino in self._kernel_etag:
             self._kernel_etag[ino] = inode.etag
@@ -926,7 +968,8 @@ class Filesystem:
             if self.local.has(ino):
                 cached = max(cached, inode.size)
             out[b"user.aifs.cached_bytes"] = str(cached).encode()
-        out[b"user.aifs.state"] = (b"local" if inode.pending else b"lake")
+        out[b"user.aifs.state"] = self.checkpoints.state(inode, self.promoter.progress).encode()
+        out[POLICY_XATTR.encode()] = self.checkpoints.policy_of(inode).encode()
         if ino == ROOT_INO:
             out[b"user.aifs.lake"] = self.config.resolved_lake().encode()
             out[b"user.aifs.pid"] = str(os.getpid()).encode()
@@ -965,7 +1008,11 @@ class Filesystem:
         if name == UNMOUNT_FLUSH_XATTR and ino == ROOT_INO:
             self.flush_on_unmount = value.strip().lower() not in (b"0", b"false", b"no")
             return
-        if name.startswith(XATTR_PREFIX):
+        if name == POLICY_XATTR.encode():
+            if value.decode(errors="replace").strip() not in POLICIES:
+                raise FsError(errno.EINVAL)
+            self.checkpoints.forget_policies()
+        elif name.startswith(XATTR_PREFIX):
             raise FsError(errno.EPERM)  # read-only facts
         if not name.startswith(b"user."):
             raise FsError(errno.EOPNOTSUPP)

@@ -4,7 +4,9 @@ A file written through the mount lives here, as ``files/<ino>``, until it is
 promoted to the lake and after that as clean cached data that reads are
 served from, until eviction. The file's own size is the truth for its size
 (after a crash too). Dirty copies are never evicted; clean ones are, least
-recently used first, when the cache needs room.
+recently used first, when the cache needs room; copies ranked ``EVICT_FIRST``
+(checkpoints older than the newest few) go before all others and copies
+ranked ``EVICT_LAST`` (the newest checkpoints) after all others.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+EVICT_FIRST = 0
+EVICT_LRU = 1
+EVICT_LAST = 2
+
 
 class LocalFiles:
     def __init__(self, directory: Path, in_use: Callable[[int], bool] = lambda ino: False,
@@ -29,6 +35,7 @@ class LocalFiles:
         self._sizes: dict[int, int] = {}
         self._clean: OrderedDict[int, None] = OrderedDict()
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self._rank: dict[int, int] = {}  # ino -> EVICT_FIRST or EVICT_LAST (else LRU)
         self.max_open = max_open
         self.used = 0
         self.evictions = 0
@@ -72,6 +79,14 @@ class LocalFiles:
     def mark_dirty(self, ino: int) -> None:
         with self._lock:
             self._clean.pop(ino, None)
+
+    def rank(self, ino: int, rank: int) -> None:
+        """Set when ``ino`` is evicted relative to plain LRU (retention)."""
+        with self._lock:
+            if rank == EVICT_LRU:
+                self._rank.pop(ino, None)
+            elif ino in self._sizes:
+                self._rank[ino] = rank
 
     def touch(self, ino: int) -> None:
         with self._lock:
@@ -127,6 +142,7 @@ class LocalFiles:
         with self._lock:
             size = self._sizes.pop(ino, None)
             self._clean.pop(ino, None)
+            self._rank.pop(ino, None)
             if size is not None:
                 self.used -= size
         try:
@@ -135,9 +151,12 @@ class LocalFiles:
             pass
 
     def evict(self, wanted: int) -> int:
-        """Drop clean copies not in use, oldest first, until ``wanted`` bytes are free."""
+        """Drop clean copies not in use, oldest first (by rank, then LRU),
+        until ``wanted`` bytes are free."""
         freed = 0
-        for ino in list(self._clean):
+        with self._lock:
+            order = sorted(self._clean, key=lambda i: self._rank.get(i, EVICT_LRU))
+        for ino in order:
             if freed >= wanted:
                 break
             if self.in_use(ino):

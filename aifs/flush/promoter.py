@@ -25,6 +25,7 @@ import trio
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, lake_error_in
+from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.objattrs import to_metadata
 from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, Inode, MetaStore
@@ -68,6 +69,7 @@ class Host(Protocol):
     def change_count(self, ino: int) -> int: ...
     def is_open(self, ino: int) -> bool: ...
     def promoted(self, ino: int, inode: Inode) -> None: ...
+    def wait_before_promoting(self, inode: Inode, force: bool) -> float: ...
 
 
 @dataclass
@@ -100,14 +102,21 @@ class Promoter:
         self._wake = trio.Event()
         self._progress = trio.Event()
         self._slots = trio.Semaphore(max(1, config.promote_workers))
+        self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
+        self._sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
         self.stats = PromoteStats()
+        self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
+                               config.multipart_threshold, config.parts_in_flight)
 
     # -- schedule -----------------------------------------------------------
-    def schedule(self, ino: int, delay: float | None = None, force: bool = False) -> None:
+    def schedule(self, ino: int, delay: float | None = None, force: bool = False,
+                 sooner: bool = False) -> None:
         """Promote ``ino`` after ``delay`` seconds (default: promote_delay)."""
         delay = self.config.promote_delay if delay is None else delay
         due = trio.current_time() + delay
-        if ino in self._due and not force:
+        if ino in self._due and sooner:
+            due = min(due, self._due[ino])
+        elif ino in self._due and not force:
             due = max(due, self._due[ino])  # a newer change restarts the delay
         if self._due.get(ino) != due:
             self._due[ino] = due
@@ -131,6 +140,7 @@ class Promoter:
         for inode in self.meta.pending_inodes():
             self.schedule(inode.ino, 0.0)
         async with trio.open_nursery() as nursery:
+            self.streams.start(nursery)
             while True:
                 now = trio.current_time()
                 while self._heap and self._slots.value > 0:
@@ -164,9 +174,10 @@ class Promoter:
 
     # -- one inode ------------------------------------------------------------
     async def _promote_task(self, ino: int, force: bool) -> None:
+        landed = False
         try:
             try:
-                await self._promote(ino, force)
+                landed = await self._promote(ino, force)
             except Exception as exc:
                 raise lake_error_in(exc) or exc from None
             self._failures.pop(ino, None)
@@ -183,17 +194,39 @@ class Promoter:
             self.schedule(ino, 30.0)
         finally:
             self._active.discard(ino)
+            self._sent.pop(ino, None)
             self._slots.release()
+            if landed:
+                self._unpark()
             self._wake.set()
             self._changed()
 
-    async def _promote(self, ino: int, force: bool) -> None:
+    def _unpark(self) -> None:
+        """Something reached the lake: the commit markers waiting look again."""
+        parked, self._parked = self._parked, {}
+        for ino, force in parked.items():
+            self.schedule(ino, 0.05, force=force, sooner=True)
+
+    def progress(self, ino: int) -> int:
+        """Bytes of the upload of ``ino`` under way that the lake has."""
+        return self._sent.get(ino, 0) + self.streams.sent(ino)
+
+    async def _promote(self, ino: int, force: bool) -> bool:
+        """Promote ``ino`` if it may go now; True if something landed."""
         inode = self.host.promotable(ino, force)
         if inode is None or not inode.pending:
-            return
+            return False
         if inode.key in self._busy_keys:
             self.schedule(ino, 0.1)
-            return
+            return False
+        wait = self.host.wait_before_promoting(inode, force)
+        if wait == math.inf:  # a commit marker whose checkpoint is not all in yet
+            self._parked[ino] = force
+            self.schedule(ino, 1.0, force=force)  # and look again after a deletion
+            return False
+        if wait > 0:
+            self.schedule(ino, wait, force=force)
+            return False
         version = self.host.change_count(ino)
         key = inode.key
         if inode.pending & DATA:
@@ -202,7 +235,7 @@ class Promoter:
             info = await self._write_metadata(inode)
         if info is None:
             self.schedule(ino)  # changed before anything landed: promote it later
-            return
+            return False
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
             # Renamed or deleted while it uploaded: what landed under the old
@@ -212,20 +245,21 @@ class Promoter:
                 self.tombstones_changed()
             if current is not None and not current.orphan:
                 self.schedule(ino, 0.0)
-            return
+            return False
         if self.host.change_count(ino) != version:
             # Changed meanwhile: promote the newer state later. The lake holds
             # this version now: remember it, so a rename or unlink deletes it.
             self.meta.update(ino, etag=info.etag)
             self.schedule(ino)
-            return
+            return False
         done = inode.pending
         settled = self.meta.settle(ino, key, done, etag=info.etag)
         if settled is None:
-            return
+            return True
         if done & DATA and not settled.pending:
             self.files.mark_clean(ino)
         self.host.promoted(ino, settled)
+        return True
 
     async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)
@@ -241,6 +275,12 @@ class Promoter:
             return None
         path = self.files.path(inode.ino)
         size = await trio.to_thread.run_sync(os.path.getsize, path)
+        if self.streams.active(inode.ino):
+            info = await self.streams.finish(inode.ino, inode.key, size, version)
+            if info is not None:
+                self.stats.uploads += 1
+                self.stats.upload_bytes += size
+                return info
         if size < self.config.multipart_threshold:
             data = await trio.to_thread.run_sync(_read_all, path)
             if self.host.change_count(inode.ino) != version:
@@ -271,7 +311,8 @@ class Promoter:
                         await in_flight.acquire()
                         if self.host.change_count(inode.ino) != version:
                             break  # changed: stop reading, abandon this upload
-                        nursery.start_soon(self._send_part, key, upload_id, fp.fileno(),
+                        nursery.start_soon(self._send_part, inode.ino, key, upload_id,
+                                           fp.fileno(),
                                            number, offset, length, etags, in_flight)
             if self.host.change_count(inode.ino) != version:
                 return None
@@ -290,7 +331,8 @@ class Promoter:
                         return None  # kept in the record: aborted at the next start
             self.meta.record_upload(inode.ino, key, None)
 
-    async def _send_part(self, key: str, upload_id: str, fd: int, number: int, offset: int,
+    async def _send_part(self, ino: int, key: str, upload_id: str, fd: int, number: int,
+                         offset: int,
                          length: int, etags: list[tuple[int, str]],
                          in_flight: trio.Semaphore) -> None:
         try:
@@ -298,6 +340,7 @@ class Promoter:
             if len(data) != length:
                 raise LakeError(f"{key}: local copy shrank during upload")
             etags.append((number, await self.store.upload_part(key, upload_id, number, data)))
+            self._sent[ino] = self._sent.get(ino, 0) + length
         finally:
             in_flight.release()
 

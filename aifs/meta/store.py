@@ -12,13 +12,16 @@ inode      ino                              Inode record (JSON)
 dentry     parent ino ++ name bytes         child ino ++ cookie
 cookie     parent ino ++ cookie             name bytes (readdir order: stable offsets)
 objkey     lake key, UTF-8 (dirs end "/")   ino of the live inode that owns the key
-pending    ino                              empty: the inode has local state not yet in
-                                            the lake (``Inode.pending`` says which)
+pending    ino                              u64 sequence number: the inode has local
+                                            state not yet in the lake (``Inode.pending``
+                                            says which) since that point in the order
+                                            of changes (commit markers wait for older)
 tomb       lake key                         ino whose object must be deleted from the
                                             lake (0: none); hidden from listings
 upload     ino                              JSON {key, upload_id, started}: a multipart
                                             upload in progress (aborted after a crash)
 sys        b"next_ino" / b"next_cookie"     u64 counters
+           b"next_seq"
            b"schema"                        schema version
 =========  ===============================  ==========================================
 
@@ -274,11 +277,25 @@ class MetaStore:
         return value
 
     def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
-        txn.put(u64(inode.ino), inode.encode(), db=self.inodes)
+        key = u64(inode.ino)
+        txn.put(key, inode.encode(), db=self.inodes)
         if inode.pending and not inode.orphan:
-            txn.put(u64(inode.ino), b"", db=self.pendings)
+            if not txn.get(key, db=self.pendings):  # newly pending: next in order
+                txn.put(key, u64(self._counter(txn, b"next_seq", 1)), db=self.pendings)
         else:
-            txn.delete(u64(inode.ino), db=self.pendings)
+            txn.delete(key, db=self.pendings)
+
+    def pending_order(self) -> dict[int, int]:
+        """ino -> sequence number of when it became pending (lower: earlier)."""
+        with self.env.begin() as txn:
+            return {_U64.unpack(k)[0]: _U64.unpack(v)[0] if len(v) == 8 else 0
+                    for k, v in txn.cursor(db=self.pendings)}
+
+    def renew_order(self, ino: int) -> None:
+        """Count a pending inode as changed now (a commit marker committed by a rename)."""
+        with self.env.begin(write=True) as txn:
+            if txn.get(u64(ino), db=self.pendings) is not None:
+                txn.put(u64(ino), u64(self._counter(txn, b"next_seq", 1)), db=self.pendings)
 
     def put(self, inode: Inode) -> None:
         """Store an inode record as it is (and index its pending state)."""

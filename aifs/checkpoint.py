@@ -1,0 +1,207 @@
+"""Checkpoint awareness: which policy a file has, when a commit marker or a
+staging file may go to the lake, and which checkpoints stay on the local tier.
+
+The publication rule: a commit marker (``.metadata``, ``latest``, ...; see
+:mod:`aifs.policy`) is promoted only when no checkpoint file under the
+marker's directory that became pending before it is still pending. The order
+is LMDB's pending sequence (:meth:`MetaStore.pending_order`), so the rule
+holds across a crash and a remount: whoever trusts the marker in the lake
+finds every shard written before it there, complete.
+
+Files under a staging name (``tmp-checkpoint-N/``, ``x.tmp``) wait up to
+``staging_hold`` seconds for the rename that commits them, so they reach the
+lake once, under their final name, with no copy in the lake.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from aifs.cache.files import EVICT_FIRST, EVICT_LAST, LocalFiles
+from aifs.config import Config
+from aifs.meta.store import DATA, ROOT_INO, Inode, MetaStore
+from aifs.policy import CHECKPOINT, POLICIES, POLICY_XATTR, Policies
+
+log = logging.getLogger(__name__)
+
+
+def path_of(inode: Inode) -> str:
+    """The inode's path relative to the mount root (its key without the '/')."""
+    return inode.key.rstrip("/")
+
+
+def _parent_path(path: str) -> str:
+    return path.rpartition("/")[0]
+
+
+class Checkpoints:
+    def __init__(self, config: Config, meta: MetaStore, local: LocalFiles,
+                 is_writing: Callable[[int], bool],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.meta = meta
+        self.local = local
+        self.is_writing = is_writing
+        self.clock = clock
+        self.policies: Policies = config.policies()
+        self._policy_cache: dict[int, str] = {}
+        # retention: checkpoint root -> its units, oldest first -> inos cached
+        self._units: dict[str, OrderedDict[str, set[int]]] = {}
+
+    # -- policies ----------------------------------------------------------
+    def policy_of(self, inode: Inode) -> str:
+        """The xattr ``user.aifs.policy`` of the inode or its nearest directory
+        that has one, else the first matching rule."""
+        cached = self._policy_cache.get(inode.ino)
+        if cached is not None:
+            return cached
+        policy = None
+        current: Inode | None = inode
+        for _ in range(4096):
+            if current is None:
+                break
+            value = current.xattrs.get(POLICY_XATTR)
+            if value is not None:
+                policy = _decode_policy(value)
+                if policy:
+                    break
+            if current.ino == ROOT_INO:
+                break
+            current = self.meta.get(current.parent)
+        policy = policy or self.policies.by_rules(path_of(inode))
+        if len(self._policy_cache) > 100_000:
+            self._policy_cache.clear()
+        self._policy_cache[inode.ino] = policy
+        return policy
+
+    def forget_policies(self) -> None:
+        """A rename or a policy xattr changed: policies are looked up again."""
+        self._policy_cache.clear()
+
+    def is_checkpoint(self, inode: Inode) -> bool:
+        return self.policy_of(inode) == CHECKPOINT
+
+    def streams(self, inode: Inode) -> bool:
+        """Whether ``inode``, written from empty, is uploaded while written."""
+        if not self.config.stream_checkpoints or not self.is_checkpoint(inode):
+            return False
+        path = path_of(inode)
+        return not self.policies.is_staging(path) and not self.policies.is_marker(path)
+
+    def is_marker(self, inode: Inode) -> bool:
+        return self.policies.is_marker(path_of(inode)) and self.is_checkpoint(inode)
+
+    # -- publication order ------------------------------------------------------
+    def wait_before_promoting(self, inode: Inode, force: bool) -> float:
+        """0 if ``inode`` may go to the lake now, else seconds to wait
+        (``math.inf``: a marker waiting for its checkpoint)."""
+        path = path_of(inode)
+        if not force and self.policies.is_staging(path):
+            left = self.config.staging_hold - (self.clock() - inode.ctime)
+            if left > 0:
+                return min(left, 30.0)  # and look again (a rename may have come)
+        if inode.is_dir or not self.is_marker(inode):
+            return 0.0
+        blockers = self.blockers(inode)
+        if blockers:
+            log.debug("commit marker %s waits for %d files", path, len(blockers))
+            return math.inf
+        return 0.0
+
+    def blockers(self, marker: Inode) -> list[Inode]:
+        """Checkpoint files under the marker's directory, closed and pending since
+        before the marker, that the lake does not have yet."""
+        order = self.meta.pending_order()
+        mine = order.get(marker.ino)
+        if mine is None:
+            return []
+        root = _parent_path(path_of(marker))
+        prefix = root + "/" if root else ""
+        out = []
+        for ino, seq in order.items():
+            if seq >= mine or ino == marker.ino or self.is_writing(ino):
+                continue
+            inode = self.meta.get(ino)
+            if (inode is None or inode.is_dir or not inode.pending & DATA
+                    or not inode.key.startswith(prefix)):
+                continue
+            path = path_of(inode)
+            if self.policies.is_staging(path[len(prefix):]) or not self.is_checkpoint(inode):
+                continue
+            out.append(inode)
+        return out
+
+    def committed_by_rename(self, moved: Inode) -> None:
+        """A rename may commit a checkpoint (``.metadata.tmp`` -> ``.metadata``,
+        ``tmp-checkpoint-N`` -> ``checkpoint-N``): markers it moved count as
+        written now, after everything the rename committed."""
+        self.forget_policies()
+        if not moved.is_dir:
+            if moved.pending & DATA and self.is_marker(moved):
+                self.meta.renew_order(moved.ino)
+            return
+        prefix = moved.key
+        for inode in self.meta.pending_inodes():
+            if (inode.key.startswith(prefix) and inode.pending & DATA
+                    and self.is_marker(inode)):
+                self.meta.renew_order(inode.ino)
+
+    # -- local retention ------------------------------------------------------------
+    def promoted(self, inode: Inode) -> None:
+        """A checkpoint file reached the lake: keep the newest ``checkpoint_keep``
+        checkpoints of its directory on the local tier, let older ones go first."""
+        if inode.is_dir or not self.is_checkpoint(inode):
+            return
+        unit = self.policies.unit_of(path_of(inode))
+        if unit is None:
+            return
+        root = _parent_path(unit)
+        units = self._units.setdefault(root, OrderedDict())
+        if unit not in units:
+            units[unit] = set()
+        units[unit].add(inode.ino)
+        for name in [n for n, inos in units.items() if not any(map(self.local.has, inos))]:
+            if name != unit:
+                del units[name]  # deleted or evicted: no longer counts
+        keep = self.config.checkpoint_keep
+        names = list(units)
+        for index, name in enumerate(names):
+            rank = EVICT_LAST if index >= len(names) - keep else EVICT_FIRST
+            for ino in units[name]:
+                self.local.rank(ino, rank)
+
+    # -- visibility ----------------------------------------------------------------
+    def state(self, inode: Inode, progress: Callable[[int], int]) -> str:
+        """``lake``, ``local``, or ``promoting DONE/TOTAL`` (bytes) for a file or
+        everything under a directory."""
+        if inode.is_dir:
+            prefix = inode.key
+            pending = [i for i in self.meta.pending_inodes()
+                       if i.key.startswith(prefix) and i.ino != inode.ino]
+            tombs = self.meta.tombstones_under(prefix) if prefix else self.meta.tombstones()
+            if not pending and not tombs:
+                return "local" if inode.pending else "lake"
+        else:
+            if not inode.pending:
+                return "lake"
+            pending = [inode]
+        total = sum(i.size for i in pending if i.pending & DATA)
+        done = sum(min(progress(i.ino), i.size) for i in pending if i.pending & DATA)
+        if done:
+            return f"promoting {done}/{total}"
+        return "local"
+
+
+def _decode_policy(value: str) -> str | None:
+    try:
+        policy = base64.b64decode(value).decode().strip()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if policy not in POLICIES:
+        return None
+    return policy

@@ -1,0 +1,258 @@
+"""Streaming promotion: a checkpoint file written front to back has its
+multipart parts uploaded while it is still being written, so it reaches the
+lake soon after close instead of a whole upload after it.
+
+A file is a candidate when it is written from empty (created, or opened with
+O_TRUNC) under the checkpoint policy. Once its contiguous written prefix
+reaches ``multipart_threshold`` a multipart upload starts; each part is read
+back from the local copy (page cache) when the writer has gone past its end.
+A write below what was already handed to an upload, a hole, a truncate or a
+write after close breaks the stream: its upload is aborted and the file is
+promoted after close as usual, so a non-sequential writer loses nothing.
+Completion happens only when the promoter takes the closed file, so the lake
+never shows a partial object; a crash leaves an upload the next mount aborts
+(it is recorded before it is created, like every multipart upload).
+
+The object's metadata is fixed when the upload is created, so it carries mode
+and owner but no ``mtime``: readers take the completion time, which is the
+close time to within the promotion delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import trio
+
+from aifs.errors import LakeError, lake_error_in
+from aifs.lake.base import ObjectInfo, ObjectStore
+from aifs.meta.store import MetaStore
+
+log = logging.getLogger(__name__)
+
+
+class Stream:
+    """The upload of one file that is still being written."""
+
+    def __init__(self, ino: int, key: str, path: str, metadata: dict[str, str],
+                 written: int) -> None:
+        self.ino = ino
+        self.key = key
+        self.path = path
+        self.metadata = metadata
+        self.end = written  # contiguous bytes written from offset 0
+        self.handed = 0  # bytes handed to part uploads: no write may go below
+        self.sent = 0  # bytes of parts the lake acknowledged
+        self.sealed: int | None = None  # final size, once the last writer closed
+        self.version = -1  # the file's change count when sealed
+        self.broken = ""
+        self.upload_id = ""
+        self.parts: list[tuple[int, str]] = []
+        self.finished = trio.Event()
+        self._data = trio.Event()
+
+    def _wake(self) -> None:
+        self._data.set()
+
+    def wrote(self, offset: int, length: int) -> None:
+        if self.sealed is not None:
+            self.break_("written after close")
+        elif offset < self.handed or offset > self.end:
+            self.break_("not written front to back")
+        else:
+            self.end = max(self.end, offset + length)
+            self._wake()
+
+    def seal(self, size: int, version: int) -> None:
+        if size != self.end:
+            self.break_("size changed")
+        self.sealed, self.version = size, version
+        self._wake()
+
+    def break_(self, why: str) -> None:
+        if not self.broken:
+            self.broken = why
+            log.debug("streaming upload of %s abandoned: %s", self.key, why)
+        self._wake()
+
+
+class Streams:
+    """Streaming uploads by inode; started and fed by the filesystem's writes."""
+
+    def __init__(self, store: ObjectStore, meta: MetaStore, part_plan: Callable[[int], int],
+                 threshold: int, parts_in_flight: int) -> None:
+        self.store = store
+        self.meta = meta
+        self.part_plan = part_plan  # part number -> its size
+        self.threshold = threshold
+        self.parts_in_flight = max(1, parts_in_flight)
+        self._nursery: trio.Nursery | None = None
+        self._candidates: dict[int, tuple[str, str, dict[str, str], int]] = {}
+        self._streams: dict[int, Stream] = {}
+        self.started = 0
+        self.completed = 0
+        self.abandoned = 0
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- fed by the filesystem ------------------------------------------------
+    def candidate(self, ino: int, key: str, path: str, metadata: dict[str, str]) -> None:
+        """``ino`` was opened empty for writing under a streaming policy."""
+        if self._nursery is not None and ino not in self._streams:
+            self._candidates[ino] = (key, path, metadata, 0)
+
+    def wrote(self, ino: int, offset: int, length: int) -> None:
+        stream = self._streams.get(ino)
+        if stream is not None:
+            stream.wrote(offset, length)
+            return
+        candidate = self._candidates.get(ino)
+        if candidate is None:
+            return
+        key, path, metadata, end = candidate
+        if offset > end:
+            del self._candidates[ino]  # a hole: not a front-to-back writer
+            return
+        end = max(end, offset + length)
+        if end < self.threshold:
+            self._candidates[ino] = (key, path, metadata, end)
+            return
+        del self._candidates[ino]
+        stream = self._streams[ino] = Stream(ino, key, path, metadata, end)
+        self.started += 1
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run, stream)
+
+    def closed(self, ino: int, size: int, version: int) -> None:
+        """The last writer closed ``ino`` at ``size`` bytes."""
+        self._candidates.pop(ino, None)
+        stream = self._streams.get(ino)
+        if stream is not None:
+            stream.seal(size, version)
+
+    def cancel(self, ino: int, why: str) -> None:
+        """Truncated, renamed or deleted: whatever was streamed is abandoned."""
+        self._candidates.pop(ino, None)
+        stream = self._streams.get(ino)
+        if stream is not None:
+            stream.break_(why)
+
+    def sent(self, ino: int) -> int:
+        stream = self._streams.get(ino)
+        return stream.sent if stream is not None and not stream.broken else 0
+
+    def active(self, ino: int) -> bool:
+        return ino in self._streams
+
+    # -- taken by the promoter ----------------------------------------------------
+    async def finish(self, ino: int, key: str, size: int,
+                     version: int) -> ObjectInfo | None:
+        """Complete the streamed upload of ``ino`` if it holds exactly this
+        version of the file under ``key``; None if there is none (or it broke):
+        the caller uploads the file itself."""
+        stream = self._streams.get(ino)
+        if stream is None:
+            return None
+        if stream.key != key or stream.sealed != size or stream.version != version:
+            stream.break_("changed after it was written")
+        try:
+            await stream.finished.wait()
+            if stream.broken:
+                return None
+            parts = sorted(stream.parts)
+            info = await self.store.complete_multipart(stream.key, stream.upload_id, parts)
+            self.completed += 1
+            self.meta.record_upload(ino, stream.key, None)
+            return info
+        except BaseException:
+            stream.break_("completion failed")
+            with trio.CancelScope(shield=True):
+                await self._abort(stream)
+            raise
+        finally:
+            if self._streams.get(ino) is stream:
+                del self._streams[ino]
+
+    # -- the upload itself ------------------------------------------------------------
+    async def _run(self, stream: Stream) -> None:
+        try:
+            started = time.time()
+            self.meta.record_upload(stream.ino, stream.key, "", started)
+            stream.upload_id = await self.store.create_multipart(stream.key, stream.metadata)
+            self.meta.record_upload(stream.ino, stream.key, stream.upload_id, started)
+            fd = await trio.to_thread.run_sync(os.open, stream.path, os.O_RDONLY)
+            try:
+                await self._send_parts(stream, fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            error = lake_error_in(exc)
+            if error is None and not isinstance(exc, OSError):
+                log.exception("streaming upload of %s failed", stream.key)
+            stream.break_(f"upload failed: {error or exc}")
+        finally:
+            if stream.broken:
+                with trio.CancelScope(shield=True):
+                    await self._abort(stream)
+                if self._streams.get(stream.ino) is stream:
+                    del self._streams[stream.ino]  # promoted after close as usual
+            stream.finished.set()
+
+    async def _send_parts(self, stream: Stream, fd: int) -> None:
+        in_flight = trio.Semaphore(self.parts_in_flight)
+        async with trio.open_nursery() as nursery:
+            number = 1
+            while not stream.broken:
+                offset = stream.handed
+                length = self.part_plan(number)
+                while not stream.broken and stream.sealed is None \
+                        and stream.end < offset + length:
+                    await stream._data.wait()
+                    stream._data = trio.Event()
+                if stream.broken:
+                    break
+                if stream.sealed is not None:
+                    length = min(length, stream.sealed - offset)
+                    if length <= 0:
+                        break
+                await in_flight.acquire()
+                if stream.broken:
+                    in_flight.release()
+                    break
+                stream.handed = offset + length
+                nursery.start_soon(self._send_part, stream, fd, number, offset, length,
+                                   in_flight)
+                number += 1
+                if stream.sealed is not None and stream.handed >= stream.sealed:
+                    break
+
+    async def _send_part(self, stream: Stream, fd: int, number: int, offset: int,
+                         length: int, in_flight: trio.Semaphore) -> None:
+        try:
+            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+            if len(data) != length:
+                stream.break_("local copy shrank")
+                return
+            etag = await self.store.upload_part(stream.key, stream.upload_id, number, data)
+            stream.parts.append((number, etag))
+            stream.sent += length
+        except LakeError as exc:
+            stream.break_(f"part {number} failed: {exc}")
+        finally:
+            in_flight.release()
+
+    async def _abort(self, stream: Stream) -> None:
+        if stream.upload_id:
+            try:
+                await self.store.abort_multipart(stream.key, stream.upload_id)
+            except LakeError as exc:
+                log.warning("abort of streaming upload of %s failed (%s); the next mount "
+                            "aborts it", stream.key, exc)
+                return  # kept in the record
+            stream.upload_id = ""
+        self.abandoned += 1
+        self.meta.record_upload(stream.ino, stream.key, None)
