@@ -8,6 +8,12 @@ is LMDB's pending sequence (:meth:`MetaStore.pending_order`), so the rule
 holds across a crash and a remount: whoever trusts the marker in the lake
 finds every shard written before it there, complete.
 
+NeMo's inverse marker works the other way round: ``X-unfinished`` exists while
+checkpoint ``X`` is being written. It is promoted at once, the files of ``X``
+wait until it is in the lake, and its deletion from the lake waits until
+every file of ``X`` is there. (If it is created and deleted before it could
+reach the lake, ``X`` is published without it.)
+
 Files under a staging name (``tmp-checkpoint-N/``, ``x.tmp``) wait up to
 ``staging_hold`` seconds for the rename that commits them, so they reach the
 lake once, under their final name, with no copy in the lake.
@@ -28,6 +34,8 @@ from aifs.meta.store import DATA, ROOT_INO, Inode, MetaStore
 from aifs.policy import CHECKPOINT, POLICIES, POLICY_XATTR, Policies
 
 log = logging.getLogger(__name__)
+
+UNFINISHED_SUFFIX = "-unfinished"
 
 
 def path_of(inode: Inode) -> str:
@@ -105,7 +113,11 @@ class Checkpoints:
             left = self.config.staging_hold - (self.clock() - inode.ctime)
             if left > 0:
                 return min(left, 30.0)  # and look again (a rename may have come)
-        if inode.is_dir or not self.is_marker(inode):
+        if inode.is_dir:
+            return 0.0
+        if self._unfinished_guard(inode) is not None:
+            return math.inf
+        if not self.is_marker(inode):
             return 0.0
         blockers = self.blockers(inode)
         if blockers:
@@ -135,6 +147,36 @@ class Checkpoints:
                 continue
             out.append(inode)
         return out
+
+    def is_unfinished_marker(self, inode: Inode) -> bool:
+        return inode.key.endswith(UNFINISHED_SUFFIX) and self.is_checkpoint(inode)
+
+    def _unfinished_guard(self, inode: Inode) -> Inode | None:
+        """A pending ``X-unfinished`` beside the file or one of its directories
+        ``X``: the file waits until that marker is in the lake."""
+        if not self.is_checkpoint(inode) or inode.key.endswith(UNFINISHED_SUFFIX):
+            return None
+        node = inode
+        for _ in range(4096):
+            if node.ino == ROOT_INO:
+                return None
+            name = path_of(node).rpartition("/")[2] + UNFINISHED_SUFFIX
+            guard = self.meta.lookup(node.parent, name.encode("utf-8", "surrogateescape"))
+            if guard is not None and guard.pending and not guard.orphan:
+                return guard
+            parent = self.meta.get(node.parent)
+            if parent is None:
+                return None
+            node = parent
+        return None
+
+    def may_delete(self, key: str) -> bool:
+        """An ``X-unfinished`` marker leaves the lake only after all of ``X``."""
+        if not key.endswith(UNFINISHED_SUFFIX):
+            return True
+        guarded = key[:-len(UNFINISHED_SUFFIX)]
+        return not any(i.pending & DATA and (i.key == guarded or i.key.startswith(guarded + "/"))
+                       for i in self.meta.pending_inodes())
 
     def committed_by_rename(self, moved: Inode) -> None:
         """A rename may commit a checkpoint (``.metadata.tmp`` -> ``.metadata``,

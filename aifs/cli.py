@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     sync = sub.add_parser("sync", help="wait until every change under PATH is in the lake")
     sync.add_argument("path", nargs="?", default=".")
     sync.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+
+    status = sub.add_parser("status", help="what a mount is doing, and where PATHs stand "
+                            "(local, promoting, in the lake)")
+    status.add_argument("paths", nargs="*", default=["."], metavar="PATH")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
@@ -212,6 +217,44 @@ def _umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    """Live figures of the mount holding the first PATH, and each PATH's state."""
+    import json
+
+    root = _mount_root(args.paths[0])
+    try:
+        stats = json.loads(os.getxattr(root, "user.aifs.stats"))
+        pending = json.loads(os.getxattr(root, "user.aifs.pending"))
+        lake = os.getxattr(root, "user.aifs.lake").decode()
+    except (OSError, ValueError) as exc:
+        raise AifsError(f"cannot read the status of {root}: {exc}") from None
+    paths = {}
+    for path in args.paths:
+        try:
+            paths[path] = {"state": os.getxattr(path, "user.aifs.state").decode(),
+                           "policy": os.getxattr(path, "user.aifs.policy").decode()}
+        except OSError as exc:
+            raise AifsError(f"{path}: {exc.strerror}") from None
+    if args.json:
+        print(json.dumps({"mountpoint": root, "lake": lake, "pending": pending,
+                          "stats": stats, "paths": paths}, indent=2))
+        return 0
+    mib = 2**20
+    print(f"mount      {root} <- {lake}")
+    print(f"pending    {pending.get('files', 0)} files ({pending.get('bytes', 0) / mib:.1f} "
+          f"MiB), {pending.get('deletes', 0)} deletes, {pending.get('uploading', 0)} "
+          "uploading")
+    print(f"cache      {stats['cache_bytes'] / mib:.1f} MiB blocks + "
+          f"{stats['local_bytes'] / mib:.1f} MiB files of {stats['cache_capacity'] / mib:.0f}"
+          f" MiB; {stats['evictions']} evictions")
+    print(f"lake       {stats['lake_gets']} GETs ({stats['lake_bytes'] / mib:.1f} MiB), "
+          f"{stats['uploads']} uploads ({stats['upload_bytes'] / mib:.1f} MiB), "
+          f"{stats['deletes']} deletes, {stats['promote_failures']} failures")
+    for path, facts in paths.items():
+        print(f"{facts['state']:<10} {path} ({facts['policy']})")
+    return 0
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs; a zombie awaiting its reaper counts as gone."""
     try:
@@ -231,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sync":
             _sync(args.path, args.quiet)
             return 0
+        if args.command == "status":
+            return _status(args)
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1

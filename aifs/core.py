@@ -883,7 +883,8 @@ class Filesystem:
                 self._forget_written(ino)
                 inode = self.meta.get(ino)
                 if inode is not None and inode.pending and not inode.orphan:
-                    self.promoter.schedule(ino)
+                    urgent = self.checkpoints.is_unfinished_marker(inode)
+                    self.promoter.schedule(ino, 0.0 if urgent else None)
         left = self._opens.get(ino, 0) - 1
         if left > 0:
             self._opens[ino] = left
@@ -914,6 +915,9 @@ class Filesystem:
 
     def wait_before_promoting(self, inode: Inode, force: bool) -> float:
         return self.checkpoints.wait_before_promoting(inode, force)
+
+    def may_delete(self, key: str) -> bool:
+        return self.checkpoints.may_delete(key)
 
     def promoted(self, ino: int, inode: Inode) -> None:
         """``inode`` reached the lake: what was cached is that version now."""

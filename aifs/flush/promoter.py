@@ -70,6 +70,7 @@ class Host(Protocol):
     def is_open(self, ino: int) -> bool: ...
     def promoted(self, ino: int, inode: Inode) -> None: ...
     def wait_before_promoting(self, inode: Inode, force: bool) -> float: ...
+    def may_delete(self, key: str) -> bool: ...
 
 
 @dataclass
@@ -417,6 +418,9 @@ class Promoter:
                 continue
             if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
                 deferred = True  # the marker goes last: the prefix stays hidden
+                continue
+            if not self.host.may_delete(key):
+                deferred = True  # an "unfinished" marker outlives what it guards
                 continue
             batch.append(key)
             if len(batch) >= 1000:
