@@ -552,7 +552,7 @@ class Filesystem:
         if source.is_dir:  # descendants to upload again under their new keys
             for inode in self.meta.pending_inodes():
                 if inode.pending & DATA and self._is_under(inode, moved.ino):
-                    self._schedule(inode.ino)
+                    self._schedule(inode.ino, sooner=True)
         self._touch_dir(old_parent)
         if new_parent != old_parent:
             self._touch_dir(new_parent)
@@ -564,7 +564,7 @@ class Filesystem:
             self._forget_written(replaced.ino)
             self._free_if_unused(replaced.ino)
         if moved.pending:
-            self._schedule(moved.ino)
+            self._schedule(moved.ino, sooner=True)
         self.promoter.tombstones_changed()
 
     def _is_under(self, inode: Inode, ancestor: int) -> bool:
@@ -848,9 +848,11 @@ class Filesystem:
             self._unsaved.discard(ino)
             self.meta.update(ino, size=written[0], mtime_ns=written[1], ctime=self.clock())
 
-    def _schedule(self, ino: int) -> None:
+    def _schedule(self, ino: int, sooner: bool = False) -> None:
+        """Promote ``ino`` after the delay, unless still open for writing
+        (``sooner``: even if it was waiting longer, e.g. for a staging rename)."""
         if not self._writers.get(ino):
-            self.promoter.schedule(ino)
+            self.promoter.schedule(ino, sooner=sooner)
 
     async def flush(self, fh: int) -> None:
         handle = self._file(fh)
