@@ -2,11 +2,15 @@
 staging file may go to the lake, and which checkpoints stay on the local tier.
 
 The publication rule: a commit marker (``.metadata``, ``latest``, ...; see
-:mod:`aifs.policy`) is promoted only when no checkpoint file under the
-marker's directory that became pending before it is still pending. The order
+:mod:`aifs.policy`) is promoted only when no file under the marker's
+directory that became pending before the marker was last closed is still
+pending (files still open for writing, and files under staging names, are
+not waited for). Any file counts, whatever its policy: a framework's data
+files need not have checkpoint-like names (torchsnapshot, Orbax). The order
 is LMDB's pending sequence (:meth:`MetaStore.pending_order`), so the rule
 holds across a crash and a remount: whoever trusts the marker in the lake
-finds every shard written before it there, complete.
+finds every shard written before it there, complete. The files a marker
+waits for are promoted at once, whatever their delay.
 
 NeMo's inverse marker works the other way round: ``X-unfinished`` exists while
 checkpoint ``X`` is being written. It is promoted at once, the files of ``X``
@@ -50,12 +54,15 @@ def _parent_path(path: str) -> str:
 class Checkpoints:
     def __init__(self, config: Config, meta: MetaStore, local: LocalFiles,
                  is_writing: Callable[[int], bool],
+                 hurry: Callable[[int], None] = lambda ino: None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.meta = meta
         self.local = local
         self.is_writing = is_writing
+        self.hurry = hurry  # promote this inode now, whatever its delay
         self.clock = clock
+        self._waiting_since: dict[int, float] = {}  # marker ino -> first refusal
         self.policies: Policies = config.policies()
         self._policy_cache: dict[int, str] = {}
         # retention: checkpoint root -> its units, oldest first -> inos cached
@@ -109,7 +116,7 @@ class Checkpoints:
         """0 if ``inode`` may go to the lake now, else seconds to wait
         (``math.inf``: a marker waiting for its checkpoint)."""
         path = path_of(inode)
-        if not force and self.policies.is_staging(path):
+        if not force and self._staging(inode):
             left = self.config.staging_hold - (self.clock() - inode.ctime)
             if left > 0:
                 return min(left, 30.0)  # and look again (a rename may have come)
@@ -120,14 +127,33 @@ class Checkpoints:
         if not self.is_marker(inode):
             return 0.0
         blockers = self.blockers(inode)
-        if blockers:
-            log.debug("commit marker %s waits for %d files", path, len(blockers))
-            return math.inf
-        return 0.0
+        if not blockers:
+            self._waiting_since.pop(inode.ino, None)
+            return 0.0
+        log.debug("commit marker %s waits for %d files", path, len(blockers))
+        for blocker in blockers:
+            self.hurry(blocker.ino)
+        since = self._waiting_since.setdefault(inode.ino, self.clock())
+        if self.clock() - since > 60.0:
+            self._waiting_since[inode.ino] = math.inf  # warned once
+            log.warning("commit marker %s still waits for %d files (%s, ...) to reach "
+                        "the lake", path, len(blockers), blockers[0].key)
+        return math.inf
+
+    def _staging(self, inode: Inode) -> bool:
+        path = path_of(inode)
+        return self.policies.is_staging(path + "/-" if inode.is_dir else path)
+
+    def closed(self, ino: int) -> None:
+        """The last writer closed ``ino``: a marker counts as written now, so it
+        also waits for what was written since it was first made dirty."""
+        inode = self.meta.get(ino)
+        if inode is not None and inode.pending & DATA and self.is_marker(inode):
+            self.meta.renew_order(ino)
 
     def blockers(self, marker: Inode) -> list[Inode]:
-        """Checkpoint files under the marker's directory, closed and pending since
-        before the marker, that the lake does not have yet."""
+        """Files under the marker's directory, closed and pending since before
+        the marker, that the lake does not have yet."""
         order = self.meta.pending_order()
         mine = order.get(marker.ino)
         if mine is None:
@@ -142,8 +168,7 @@ class Checkpoints:
             if (inode is None or inode.is_dir or not inode.pending & DATA
                     or not inode.key.startswith(prefix)):
                 continue
-            path = path_of(inode)
-            if self.policies.is_staging(path[len(prefix):]) or not self.is_checkpoint(inode):
+            if self.policies.is_staging(path_of(inode)[len(prefix):]):
                 continue
             out.append(inode)
         return out
@@ -218,12 +243,13 @@ class Checkpoints:
                 self.local.rank(ino, rank)
 
     # -- visibility ----------------------------------------------------------------
-    def state(self, inode: Inode, progress: Callable[[int], int]) -> str:
+    def state(self, inode: Inode, progress: Callable[[int], int],
+              current: Callable[[Inode], Inode] = lambda inode: inode) -> str:
         """``lake``, ``local``, or ``promoting DONE/TOTAL`` (bytes) for a file or
-        everything under a directory."""
+        everything under a directory (``current`` adds sizes not yet stored)."""
         if inode.is_dir:
             prefix = inode.key
-            pending = [i for i in self.meta.pending_inodes()
+            pending = [current(i) for i in self.meta.pending_inodes()
                        if i.key.startswith(prefix) and i.ino != inode.ino]
             tombs = self.meta.tombstones_under(prefix) if prefix else self.meta.tombstones()
             if not pending and not tombs:

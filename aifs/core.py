@@ -29,7 +29,7 @@ from typing import NoReturn
 import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
-from aifs.cache.files import LocalFiles
+from aifs.cache.files import EVICT_FIRST, LocalFiles
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError, LakeError, ObjectNotFound
@@ -122,6 +122,7 @@ class Filesystem:
         self.promoter = Promoter(self, store, meta, local, config, self.uid, self.gid)
         self.checkpoints = Checkpoints(config, meta, local,
                                        is_writing=lambda ino: bool(self._writers.get(ino)),
+                                       hurry=lambda ino: self.promoter.promote_soon(ino),
                                        clock=clock)
         self.lookups: dict[int, int] = {}
         self.files: dict[int, OpenFile] = {}
@@ -144,6 +145,7 @@ class Filesystem:
         self.write_bytes = 0
         local.in_use = self.is_open
         cache.others = lambda: local.used
+        self.fetcher.make_room = self._room_for_blocks
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
@@ -833,6 +835,16 @@ class Filesystem:
             await self.promoter.wait_progress()
             self.local.evict(max(0, over()))
 
+    def _room_for_blocks(self, incoming: int) -> None:
+        """A fetched block needs room: old checkpoints' local copies go before
+        any block, other clean copies only where blocks cannot free enough."""
+        over = self.cache.used + self.local.used + incoming - self.config.cache_size
+        if over <= 0:
+            return
+        over -= self.local.evict(over, up_to_rank=EVICT_FIRST)
+        if over > self.cache.used:
+            self.local.evict(over - self.cache.used)
+
     def _changed(self, ino: int) -> None:
         self._changes[ino] = self._changes.get(ino, 0) + 1
 
@@ -879,6 +891,7 @@ class Filesystem:
             else:
                 self._writers.pop(ino, None)
                 self._save_written(ino)
+                self.checkpoints.closed(ino)
                 if ino in self._written:
                     self.promoter.streams.closed(ino, self._written[ino][0],
                                                  self.change_count(ino))
@@ -974,7 +987,8 @@ class Filesystem:
             if self.local.has(ino):
                 cached = max(cached, inode.size)
             out[b"user.aifs.cached_bytes"] = str(cached).encode()
-        out[b"user.aifs.state"] = self.checkpoints.state(inode, self.promoter.progress).encode()
+        out[b"user.aifs.state"] = self.checkpoints.state(
+            inode, self.promoter.progress, self._with_written).encode()
         out[POLICY_XATTR.encode()] = self.checkpoints.policy_of(inode).encode()
         if ino == ROOT_INO:
             out[b"user.aifs.lake"] = self.config.resolved_lake().encode()
@@ -1035,6 +1049,8 @@ class Filesystem:
             raise FsError(errno.ENODATA)
         xattrs = dict(inode.xattrs)
         del xattrs[_name(name)]
+        if name == POLICY_XATTR.encode():
+            self.checkpoints.forget_policies()
         self._set_xattrs(inode, xattrs)
 
     def _set_xattrs(self, inode: Inode, xattrs: dict[str, str]) -> None:

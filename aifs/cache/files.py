@@ -150,12 +150,14 @@ class LocalFiles:
         except FileNotFoundError:
             pass
 
-    def evict(self, wanted: int) -> int:
-        """Drop clean copies not in use, oldest first (by rank, then LRU),
-        until ``wanted`` bytes are free."""
+    def evict(self, wanted: int, up_to_rank: int = EVICT_LAST) -> int:
+        """Drop clean copies not in use, oldest first (by rank, then LRU; ranks
+        above ``up_to_rank`` stay), until ``wanted`` bytes are free."""
         freed = 0
         with self._lock:
-            order = sorted(self._clean, key=lambda i: self._rank.get(i, EVICT_LRU))
+            order = sorted((i for i in self._clean
+                            if self._rank.get(i, EVICT_LRU) <= up_to_rank),
+                           key=lambda i: self._rank.get(i, EVICT_LRU))
         for ino in order:
             if freed >= wanted:
                 break

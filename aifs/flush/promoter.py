@@ -208,6 +208,11 @@ class Promoter:
         for ino, force in parked.items():
             self.schedule(ino, 0.05, force=force, sooner=True)
 
+    def promote_soon(self, ino: int) -> None:
+        """Promote ``ino`` now, whatever its delay (unless it keeps failing)."""
+        if ino not in self._failures:
+            self.schedule(ino, 0.0, sooner=True)
+
     def progress(self, ino: int) -> int:
         """Bytes of the upload of ``ino`` under way that the lake has."""
         return self._sent.get(ino, 0) + self.streams.sent(ino)
@@ -373,7 +378,7 @@ class Promoter:
     async def _abort_leftover_uploads(self) -> None:
         """Abort the multipart uploads an earlier run left unfinished, those it
         did not live to record too (found by key and start time)."""
-        for ino, (key, upload_id, started) in self.meta.uploads_in_progress().items():
+        for ino, key, upload_id, started in self.meta.uploads_in_progress():
             try:
                 if upload_id:
                     ids = [upload_id]

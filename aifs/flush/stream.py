@@ -138,8 +138,13 @@ class Streams:
         """Truncated, renamed or deleted: whatever was streamed is abandoned."""
         self._candidates.pop(ino, None)
         stream = self._streams.get(ino)
-        if stream is not None:
-            stream.break_(why)
+        if stream is None:
+            return
+        stream.break_(why)
+        if stream.finished.is_set():  # every part was sent: nobody else aborts it
+            del self._streams[ino]
+            if self._nursery is not None:
+                self._nursery.start_soon(self._abort, stream)
 
     def sent(self, ino: int) -> int:
         stream = self._streams.get(ino)
@@ -162,6 +167,7 @@ class Streams:
         try:
             await stream.finished.wait()
             if stream.broken:
+                await self._abort(stream)  # if it broke after its last part
                 return None
             parts = sorted(stream.parts)
             info = await self.store.complete_multipart(stream.key, stream.upload_id, parts)
@@ -246,13 +252,15 @@ class Streams:
             in_flight.release()
 
     async def _abort(self, stream: Stream) -> None:
-        if stream.upload_id:
-            try:
-                await self.store.abort_multipart(stream.key, stream.upload_id)
-            except LakeError as exc:
-                log.warning("abort of streaming upload of %s failed (%s); the next mount "
-                            "aborts it", stream.key, exc)
-                return  # kept in the record
-            stream.upload_id = ""
+        """Abort the stream's upload (once) and forget its record."""
+        upload_id, stream.upload_id = stream.upload_id, ""
+        if not upload_id:
+            return
+        try:
+            await self.store.abort_multipart(stream.key, upload_id)
+        except LakeError as exc:
+            log.warning("abort of streaming upload of %s failed (%s); the next mount "
+                        "aborts it", stream.key, exc)
+            return  # kept in the record
         self.abandoned += 1
         self.meta.record_upload(stream.ino, stream.key, None)

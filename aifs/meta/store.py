@@ -18,7 +18,7 @@ pending    ino                              u64 sequence number: the inode has l
                                             of changes (commit markers wait for older)
 tomb       lake key                         ino whose object must be deleted from the
                                             lake (0: none); hidden from listings
-upload     ino                              JSON {key, upload_id, started}: a multipart
+upload     ino ++ lake key                  JSON {key, upload_id, started}: a multipart
                                             upload in progress (aborted after a crash)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"next_seq"
@@ -259,14 +259,14 @@ class MetaStore:
                     out[bytes(key).decode("utf-8", "surrogateescape")] = _U64.unpack(value)[0]
         return out
 
-    def uploads_in_progress(self) -> dict[int, tuple[str, str, float]]:
-        """ino -> (key, upload id or "" if not known, wall time it started)."""
+    def uploads_in_progress(self) -> list[tuple[int, str, str, float]]:
+        """(ino, key, upload id or "" if not known, wall time it started)."""
         with self.env.begin() as txn:
-            out = {}
+            out = []
             for k, v in txn.cursor(db=self.uploads):
                 record = json.loads(v)
-                out[_U64.unpack(k)[0]] = (record["key"], record["upload_id"],
-                                          record.get("started", 0.0))
+                out.append((_U64.unpack(k[:8])[0], record["key"], record["upload_id"],
+                            record.get("started", 0.0)))
         return out
 
     # -- writes -----------------------------------------------------------
@@ -486,11 +486,13 @@ class MetaStore:
         """Record a multipart upload: ``upload_id`` "" before it is created (a
         crash then leaves an upload we must find by key), None once it ended."""
         with self.env.begin(write=True) as txn:
+            txn.delete(u64(ino), db=self.uploads)  # the one-per-inode form of schema 2
             if upload_id is None:
-                txn.delete(u64(ino), db=self.uploads)
+                txn.delete(u64(ino) + key_bytes(key), db=self.uploads)
             else:
                 record = {"key": key, "upload_id": upload_id, "started": started}
-                txn.put(u64(ino), json.dumps(record).encode(), db=self.uploads)
+                txn.put(u64(ino) + key_bytes(key), json.dumps(record).encode(),
+                        db=self.uploads)
 
     def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
                       started: float | None = None) -> tuple[list[int], list[int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -69,6 +70,10 @@ class BlockFetcher:
         self._prefetch_slots = trio.Semaphore(max_prefetch)
         self._disk_limiter = trio.CapacityLimiter(8)
         self._nursery: trio.Nursery | None = None
+        #: called on the trio thread before a block is stored: frees space held
+        #: outside the block cache (whole local copies) where blocks alone cannot
+        self.make_room: Callable[[int], None] = lambda incoming: None
+        self._storing = 0
         self._fds: OrderedDict[tuple[str, int], int] = OrderedDict()
         self._advised: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.max_open_blocks = 64
@@ -183,8 +188,13 @@ class BlockFetcher:
             flight.data = data
             flight.done.set()
             del self._flights[slot]
-            await trio.to_thread.run_sync(self.cache.store, version, index, data,
-                                          limiter=self._disk_limiter)
+            self._storing += len(data)
+            try:
+                self.make_room(self._storing)  # blocks on their way to disk count too
+                await trio.to_thread.run_sync(self.cache.store, version, index, data,
+                                              limiter=self._disk_limiter)
+            finally:
+                self._storing -= len(data)
         except Exception as exc:  # handed to every waiter
             self.stats.errors += 1
             if not prefetch:
