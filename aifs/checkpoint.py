@@ -145,8 +145,9 @@ class Checkpoints:
         return self.policies.is_staging(path + "/-" if inode.is_dir else path)
 
     def closed(self, ino: int) -> None:
-        """The last writer closed ``ino``: a marker counts as written now, so it
-        also waits for what was written since it was first made dirty."""
+        """A writer of ``ino`` closed it (flush, before close() returns): a marker
+        counts as written now, so it also waits for what was written since it
+        was first made dirty."""
         inode = self.meta.get(ino)
         if inode is not None and inode.pending & DATA and self.is_marker(inode):
             self.meta.renew_order(ino)

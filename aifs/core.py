@@ -870,6 +870,7 @@ class Filesystem:
         handle = self._file(fh)
         if handle.writable:
             self._save_written(handle.ino)
+            self.checkpoints.closed(handle.ino)  # before close() returns: a crash keeps it
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         ino = self._file(fh).ino

@@ -441,6 +441,41 @@ def test_rewritten_latest_waits_for_the_step_it_names(lake, mounter, aifs_cli):
     assert lake.get("ckpt/latest") == b"global_step2"
 
 
+def test_rewritten_latest_keeps_its_order_across_a_kill_right_after_close(lake, mounter,
+                                                                          aifs_cli):
+    """The marker's place in the publication order is renewed before close()
+    returns: a daemon killed right after the second ``latest`` closed must not
+    publish it before the step it names after the remount."""
+    if lake.kind != "local":
+        pytest.skip("mount-side ordering: the local lake shows it")
+    args = ("--promote-workers", "1")
+    mount = mounter(lake, *args, "--promote-delay", "3600")
+    ckpt = mount.path / "ckpt"
+    shard = {}
+    for step in (1, 2):
+        os.makedirs(ckpt / f"global_step{step}")
+        data = data_of(70 + step, 6 * MiB)
+        write_all(ckpt / f"global_step{step}" / "model.pt", data)
+        shard[f"global_step{step}"] = len(data)
+        (ckpt / "latest").write_bytes(f"global_step{step}".encode())
+    mount.kill()  # at once after close() returned
+
+    def probe() -> list[str]:
+        try:
+            named = lake.get("ckpt/latest").decode()
+        except OSError:
+            return []
+        key = f"ckpt/{named}/model.pt"
+        got = lake_size(lake, key)
+        return [] if got == shard[named] else [f"latest names {named}; {key} has {got}"]
+
+    with Poller(probe, interval=0.001) as poller:
+        again = mounter(lake, *args, "--promote-delay", "0.2", name="m2", cache="m")
+        sync(aifs_cli, again.path)
+    poller.check()
+    assert lake.get("ckpt/latest") == b"global_step2"
+
+
 # -- 2d. staging names -------------------------------------------------------------------
 def test_hf_tmp_checkpoint_reaches_the_lake_only_under_its_final_name(lake, mounter,
                                                                      aifs_cli):
