@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--region")
     mount.add_argument("--profile")
     mount.add_argument("--path-style", choices=["true", "false"])
+    mount.add_argument("--sign-payload", choices=["true", "false"])
     mount.add_argument("--max-connections", type=int)
     mount.add_argument("--request-timeout", type=float)
     mount.add_argument("--retries", type=int)
@@ -86,7 +87,7 @@ def _mount(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in (
         "cache_dir", "cache_size", "block_size", "memory_cache", "readahead_max",
         "kernel_readahead",
-        "metadata_ttl", "endpoint_url", "region", "profile", "path_style",
+        "metadata_ttl", "endpoint_url", "region", "profile", "path_style", "sign_payload",
         "max_connections", "request_timeout", "retries", "promote_delay",
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",

@@ -69,6 +69,9 @@ class Config:
     profile: str = _option("", "AWS profile name for credentials.")
     path_style: bool = _option(True, "Use path-style S3 addressing (needed by most "
                                "non-AWS servers).", "bool")
+    sign_payload: bool = _option(False, "SHA-256 sign the bodies of uploads (SigV4); off, "
+                                 "bodies are sent as UNSIGNED-PAYLOAD, which saves about a "
+                                 "core-second per GiB uploaded.", "bool")
     max_connections: int = _option(32, "Concurrent lake requests (connection pool size).", "int")
     request_timeout: float = _option(30.0, "Seconds before a lake request is abandoned and "
                                      "retried.", "float")

@@ -73,6 +73,7 @@ class OpenFile:
     version: ObjectVersion  # the lake version reads of a non-local file come from
     readahead: Readahead
     writable: bool
+    advised: int = 0  # a local copy read sequentially: asked the kernel to read this far
 
 
 @dataclass(frozen=True)
@@ -701,7 +702,16 @@ class Filesystem:
         handle = self._file(fh)
         if self.local.has(handle.ino):
             self.local.touch(handle.ino)
-            return await read_at(self.local.fd(handle.ino), offset, size, self._disk)
+            fd = self.local.fd(handle.ino)
+            ahead = handle.readahead.observe(offset, size)
+            end = offset + size + ahead
+            if ahead and end > handle.advised + ahead // 2:
+                # Sequential: have the kernel read the copy ahead, so the reads
+                # that follow find it in the page cache and are served inline.
+                start = max(handle.advised, offset + size)
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                handle.advised = end
+            return await read_at(fd, offset, size, self._disk)
         version = handle.version
         end = min(offset + size, version.size)
         if offset >= end:

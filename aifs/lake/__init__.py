@@ -27,5 +27,6 @@ def open_store(config: Config) -> ObjectStore:
         return S3Store(parsed.netloc, unquote(parsed.path), endpoint_url=config.endpoint_url,
                        region=config.region, profile=config.profile,
                        path_style=config.path_style, max_connections=config.max_connections,
-                       timeout=config.request_timeout, retries=config.retries)
+                       timeout=config.request_timeout, retries=config.retries,
+                       sign_payload=config.sign_payload)
     raise ConfigError(f"unsupported lake URL {url!r} (use s3://BUCKET/PREFIX or file:///DIR)")
