@@ -39,6 +39,10 @@ from aifs.policy import CHECKPOINT, POLICIES, POLICY_XATTR, Policies
 
 log = logging.getLogger(__name__)
 
+#: Markers up to this size are kept, version by version, so that while saves
+#: come faster than the lake takes them, the lake's marker still advances to
+#: each checkpoint that is complete there (``latest`` rewritten every save).
+MAX_MARKER_VERSION = 64 << 10
 UNFINISHED_SUFFIX = "-unfinished"
 
 
@@ -147,16 +151,41 @@ class Checkpoints:
     def closed(self, ino: int) -> None:
         """A writer of ``ino`` closed it (flush, before close() returns): a marker
         counts as written now, so it also waits for what was written since it
-        was first made dirty."""
+        was first made dirty; its content as of now is kept as one version."""
         inode = self.meta.get(ino)
         if inode is not None and inode.pending & DATA and self.is_marker(inode):
-            self.meta.renew_order(ino)
+            self.meta.renew_order(ino, self._content(inode))
 
-    def blockers(self, marker: Inode) -> list[Inode]:
+    def _content(self, inode: Inode) -> bytes | None:
+        if not self.local.has(inode.ino):
+            return None
+        try:
+            with open(self.local.path(inode.ino), "rb") as fp:
+                data = fp.read(MAX_MARKER_VERSION + 1)
+        except OSError:
+            return None
+        return data if len(data) <= MAX_MARKER_VERSION else None
+
+    def older_version(self, marker: Inode) -> tuple[int, bytes] | None:
+        """The newest kept version of a waiting marker older than its current
+        one whose checkpoint is all in the lake: it may be published now."""
+        current = self.meta.pending_order().get(marker.ino)
+        if current is None:
+            return None
+        for seq, content in reversed(self.meta.marker_versions(marker.ino)):
+            if seq < current and not self.blockers(marker, seq):
+                return seq, content
+        return None
+
+    def version_published(self, ino: int, seq: int) -> None:
+        self.meta.drop_marker_versions(ino, up_to=seq)
+
+    def blockers(self, marker: Inode, seq: int | None = None) -> list[Inode]:
         """Files under the marker's directory, closed and pending since before
-        the marker, that the lake does not have yet."""
+        the marker (its version ``seq``; default the current one), that the
+        lake does not have yet."""
         order = self.meta.pending_order()
-        mine = order.get(marker.ino)
+        mine = order.get(marker.ino) if seq is None else seq
         if mine is None:
             return []
         root = _parent_path(path_of(marker))
@@ -211,19 +240,23 @@ class Checkpoints:
         self.forget_policies()
         if not moved.is_dir:
             if moved.pending & DATA and self.is_marker(moved):
-                self.meta.renew_order(moved.ino)
+                self.meta.renew_order(moved.ino, self._content(moved))
             return
         prefix = moved.key
         for inode in self.meta.pending_inodes():
             if (inode.key.startswith(prefix) and inode.pending & DATA
                     and self.is_marker(inode)):
-                self.meta.renew_order(inode.ino)
+                self.meta.renew_order(inode.ino, self._content(inode))
 
     # -- local retention ------------------------------------------------------------
     def promoted(self, inode: Inode) -> None:
         """A checkpoint file reached the lake: keep the newest ``checkpoint_keep``
         checkpoints of its directory on the local tier, let older ones go first."""
-        if inode.is_dir or not self.is_checkpoint(inode):
+        if inode.is_dir:
+            return
+        if self.is_marker(inode):
+            self.meta.drop_marker_versions(inode.ino)  # the current version is in
+        if not self.is_checkpoint(inode):
             return
         unit = self.policies.unit_of(path_of(inode))
         if unit is None:

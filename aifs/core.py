@@ -909,8 +909,13 @@ class Filesystem:
                 self._forget_written(ino)
                 inode = self.meta.get(ino)
                 if inode is not None and inode.pending and not inode.orphan:
-                    urgent = self.checkpoints.is_unfinished_marker(inode)
-                    self.promoter.schedule(ino, 0.0 if urgent else None)
+                    # A streamed file is in parts already, an unfinished marker
+                    # guards what follows: no delay. A commit marker waits for
+                    # its checkpoint anyway: a rewrite does not push it back.
+                    urgent = (self.checkpoints.is_unfinished_marker(inode)
+                              or self.promoter.streams.active(ino))
+                    self.promoter.schedule(ino, 0.0 if urgent else None,
+                                           sooner=self.checkpoints.is_marker(inode))
         left = self._opens.get(ino, 0) - 1
         if left > 0:
             self._opens[ino] = left
@@ -944,6 +949,12 @@ class Filesystem:
 
     def may_delete(self, key: str) -> bool:
         return self.checkpoints.may_delete(key)
+
+    def older_marker_version(self, inode: Inode) -> tuple[int, bytes] | None:
+        return self.checkpoints.older_version(inode)
+
+    def marker_version_published(self, ino: int, seq: int) -> None:
+        self.checkpoints.version_published(ino, seq)
 
     def promoted(self, ino: int, inode: Inode) -> None:
         """``inode`` reached the lake: what was cached is that version now."""

@@ -476,6 +476,51 @@ def test_rewritten_latest_keeps_its_order_across_a_kill_right_after_close(lake, 
     assert lake.get("ckpt/latest") == b"global_step2"
 
 
+def test_latest_advances_in_the_lake_while_saves_keep_coming(lake, mounter, aifs_cli):
+    """A training loop rewrites ``latest`` every few hundred milliseconds, faster
+    than the lake takes the steps: the lake's ``latest`` must still advance (to
+    steps that are complete there), not wait for the loop to stop."""
+    mount = mounter(lake, "--promote-workers", "1")
+    ckpt = mount.path / "ckpt"
+    sizes: dict[str, int] = {}
+    stop = threading.Event()
+
+    def save_loop() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            os.makedirs(ckpt / f"global_step{step}")
+            rel = f"ckpt/global_step{step}/model.pt"
+            data = data_of(900 + step, 2 * MiB)
+            write_all(mount.path / rel, data)
+            sizes[rel] = len(data)
+            (ckpt / "latest").write_bytes(f"global_step{step}".encode())
+            stop.wait(0.3)  # the training step between saves
+
+    def probe() -> list[str]:
+        if lake_size(lake, "ckpt/latest") is None:
+            return []
+        try:
+            named = lake.get("ckpt/latest").decode()
+        except Exception:  # deleted between the two looks: not there
+            return []
+        key = f"ckpt/{named}/model.pt"
+        return [] if lake_size(lake, key) == sizes.get(key) else [f"{named} incomplete"]
+
+    with Poller(probe) as poller:
+        saver, errors = in_background(save_loop)
+        try:
+            wait_for(lambda: lake_size(lake, "ckpt/latest") is not None or errors, 60,
+                     "latest in the lake while saves keep coming")
+        finally:
+            stop.set()
+            saver.join(60)
+        assert not errors, errors
+        sync(aifs_cli, mount.path)
+    poller.check()
+    assert lake.get("ckpt/latest") == (ckpt / "latest").read_bytes()
+
+
 # -- 2d. staging names -------------------------------------------------------------------
 def test_hf_tmp_checkpoint_reaches_the_lake_only_under_its_final_name(lake, mounter,
                                                                      aifs_cli):
@@ -552,37 +597,43 @@ def test_checkpoint_deleted_before_promotion_never_reaches_the_lake(lake, mounte
     assert lake_uploads(lake) == []
 
 
-def test_streamed_checkpoint_deleted_after_close_leaves_no_upload(lake, mounter, aifs_cli):
-    """All parts sent, the promoter not there yet (its delay): a delete must abort
-    the streamed upload, not leave it in the lake until the next mount."""
+def test_streamed_checkpoint_deleted_right_after_close_leaves_nothing(lake, mounter,
+                                                                     aifs_cli):
+    """Deleted the moment it closed, while its streamed upload is being completed
+    (or about to be): after sync neither the object nor an upload is left."""
     mount = mounter(lake, "--promote-delay", "30", *STREAMING)
     step = mount.path / "ckpt" / "global_step1"
-    seen, poller = keys_seen(lake)
-    with poller:
-        os.makedirs(step)
-        write_all(step / "b.pt", data_of(62, 8 * MiB))  # parts of 5 + 3 MiB
-        wait_for(lambda: lake_upload_parts(lake) == 2, 10, "both parts of b.pt sent")
-        shutil.rmtree(step)
-        sync(aifs_cli, mount.path)
-        wait_for(lambda: not lake_uploads(lake), 5,
-                 "the upload of the deleted b.pt aborted")
-    poller.check()
-    assert not [k for k in seen if k.startswith("ckpt/global_step1")]
+    os.makedirs(step)
+    write_all(step / "b.pt", data_of(62, 8 * MiB))  # parts of 5 + 3 MiB
+    shutil.rmtree(step)
+    sync(aifs_cli, mount.path)
+    wait_for(lambda: not lake_uploads(lake), 5, "the upload of the deleted b.pt gone")
+    assert not [k for k in lake_keys(lake) if k.startswith("ckpt/global_step1")]
 
 
-def test_streamed_checkpoint_renamed_after_close_leaves_no_upload(lake, mounter, aifs_cli):
+def test_streamed_checkpoint_renamed_right_after_close_leaves_no_upload(lake, mounter,
+                                                                       aifs_cli):
     mount = mounter(lake, "--promote-delay", "30", *STREAMING)
     ckpt = mount.path / "ckpt"
     os.makedirs(ckpt)
     data = data_of(63, 8 * MiB)
     write_all(ckpt / "model.pt", data)
-    wait_for(lambda: lake_upload_parts(lake) == 2, 10, "both parts of model.pt sent")
     os.rename(ckpt / "model.pt", ckpt / "model-step5.pt")
     sync(aifs_cli, mount.path)
     assert lake_digest(lake, "ckpt/model-step5.pt") == digest(data)
     assert "ckpt/model.pt" not in lake_keys(lake)
-    wait_for(lambda: not lake_uploads(lake), 5,
-             "the streamed upload under the old name aborted")
+    wait_for(lambda: not lake_uploads(lake), 5, "no upload left under either name")
+
+
+def test_streamed_checkpoint_is_completed_at_close_whatever_the_delay(lake, mounter):
+    """Its parts are in the lake already: close completes it, no promote delay."""
+    mount = mounter(lake, "--promote-delay", "3600", *STREAMING)
+    os.makedirs(mount.path / "ckpt")
+    data = data_of(64, 12 * MiB)
+    write_all(mount.path / "ckpt" / "model.pt", data)
+    wait_for(lambda: lake_size(lake, "ckpt/model.pt") == len(data), 20,
+             "the streamed checkpoint completed after close")
+    assert lake_digest(lake, "ckpt/model.pt") == digest(data)
 
 
 def test_deleting_a_promoted_checkpoint_removes_it_from_the_lake(lake, mounter, aifs_cli):

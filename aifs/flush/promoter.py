@@ -71,6 +71,8 @@ class Host(Protocol):
     def promoted(self, ino: int, inode: Inode) -> None: ...
     def wait_before_promoting(self, inode: Inode, force: bool) -> float: ...
     def may_delete(self, key: str) -> bool: ...
+    def older_marker_version(self, inode: Inode) -> tuple[int, bytes] | None: ...
+    def marker_version_published(self, ino: int, seq: int) -> None: ...
 
 
 @dataclass
@@ -229,7 +231,8 @@ class Promoter:
         if wait == math.inf:  # a commit marker whose checkpoint is not all in yet
             self._parked[ino] = force
             self.schedule(ino, 1.0, force=force)  # and look again after a deletion
-            return False
+            older = self.host.older_marker_version(inode)
+            return older is not None and await self._publish_version(inode, *older)
         if wait > 0:
             self.schedule(ino, wait, force=force)
             return False
@@ -265,6 +268,21 @@ class Promoter:
         if done & DATA and not settled.pending:
             self.files.mark_clean(ino)
         self.host.promoted(ino, settled)
+        return True
+
+    async def _publish_version(self, inode: Inode, seq: int, content: bytes) -> bool:
+        """Put an older version of a waiting marker whose checkpoint is complete
+        in the lake (so ``latest`` advances while saves outpace the lake)."""
+        info = await self._put(inode.key, content, to_metadata(inode, self.uid, self.gid))
+        current = self.meta.get(inode.ino)
+        if current is None or current.orphan or current.key != inode.key:
+            if self.meta.owner_of(inode.key) is None:
+                self.meta.add_tombstone(inode.key)
+                self.tombstones_changed()
+            return True
+        self.meta.update(inode.ino, etag=info.etag)  # a delete now removes it too
+        self.host.marker_version_published(inode.ino, seq)
+        log.debug("%s: published an earlier version whose checkpoint is complete", inode.key)
         return True
 
     async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:

@@ -20,6 +20,8 @@ tomb       lake key                         ino whose object must be deleted fro
                                             lake (0: none); hidden from listings
 upload     ino ++ lake key                  JSON {key, upload_id, started}: a multipart
                                             upload in progress (aborted after a crash)
+marker     ino ++ u64 sequence number       content of a commit marker as one close left
+                                            it (published once what it commits is in)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"next_seq"
            b"schema"                        schema version
@@ -143,6 +145,7 @@ class MetaStore:
         self.pendings = self.env.open_db(b"pending")
         self.tombs = self.env.open_db(b"tomb")
         self.uploads = self.env.open_db(b"upload")
+        self.markers = self.env.open_db(b"marker")
         self.sys = self.env.open_db(b"sys")
         with self.env.begin(write=True) as txn:
             txn.put(b"schema", SCHEMA_VERSION, db=self.sys)
@@ -291,11 +294,45 @@ class MetaStore:
             return {_U64.unpack(k)[0]: _U64.unpack(v)[0] if len(v) == 8 else 0
                     for k, v in txn.cursor(db=self.pendings)}
 
-    def renew_order(self, ino: int) -> None:
-        """Count a pending inode as changed now (a commit marker committed by a rename)."""
+    def renew_order(self, ino: int, content: bytes | None = None) -> int | None:
+        """Count a pending inode as changed now (a commit marker closed or
+        renamed); keep ``content`` as that version of the marker. Returns its
+        new sequence number (None if it is not pending)."""
         with self.env.begin(write=True) as txn:
-            if txn.get(u64(ino), db=self.pendings) is not None:
-                txn.put(u64(ino), u64(self._counter(txn, b"next_seq", 1)), db=self.pendings)
+            if txn.get(u64(ino), db=self.pendings) is None:
+                return None
+            seq = self._counter(txn, b"next_seq", 1)
+            txn.put(u64(ino), u64(seq), db=self.pendings)
+            if content is not None:
+                txn.put(u64(ino) + u64(seq), content, db=self.markers)
+        return seq
+
+    def marker_versions(self, ino: int) -> list[tuple[int, bytes]]:
+        """(sequence number, content) of the kept versions of a marker, oldest first."""
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.markers)
+            out = []
+            if cursor.set_range(u64(ino)):
+                for key, value in cursor:
+                    if key[:8] != u64(ino):
+                        break
+                    out.append((_U64.unpack(key[8:])[0], bytes(value)))
+        return out
+
+    def drop_marker_versions(self, ino: int, up_to: int | None = None) -> None:
+        """Forget kept versions of a marker (those up to sequence ``up_to``; all)."""
+        with self.env.begin(write=True) as txn:
+            self._drop_markers(txn, ino, up_to)
+
+    def _drop_markers(self, txn: lmdb.Transaction, ino: int, up_to: int | None) -> None:
+        cursor = txn.cursor(db=self.markers)
+        if not cursor.set_range(u64(ino)):
+            return
+        while cursor.key()[:8] == u64(ino):
+            if up_to is not None and _U64.unpack(cursor.key()[8:])[0] > up_to:
+                break
+            if not cursor.delete():
+                break
 
     def put(self, inode: Inode) -> None:
         """Store an inode record as it is (and index its pending state)."""
@@ -568,6 +605,7 @@ class MetaStore:
             self._delete_tree(txn, ino)
 
     def _delete_tree(self, txn: lmdb.Transaction, ino: int) -> None:
+        self._drop_markers(txn, ino, None)
         raw = txn.get(u64(ino), db=self.inodes)
         if not raw:
             return
