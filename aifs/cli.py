@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--staging-hold", type=float, help="seconds")
     mount.add_argument("--checkpoint-keep", type=int)
     mount.add_argument("--stream-checkpoints", choices=["true", "false"])
+    mount.add_argument("--stream-parts-in-flight", type=int)
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--log-level")
     mount.add_argument("--log-file")
@@ -91,7 +92,7 @@ def _mount(args: argparse.Namespace) -> int:
         "max_connections", "request_timeout", "retries", "promote_delay",
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
-        "stream_checkpoints", "allow_other", "log_level",
+        "stream_checkpoints", "stream_parts_in_flight", "allow_other", "log_level",
         "log_file", "foreground", "fuse_options")}
     overrides["lake"] = lake
     overrides["mountpoint"] = os.path.abspath(args.targets[-1])

@@ -113,6 +113,9 @@ class Config:
     stream_checkpoints: bool = _option(True, "Upload parts of a checkpoint file written "
                                        "sequentially while it is still being written.",
                                        "bool")
+    stream_parts_in_flight: int = _option(2, "Parts of a streamed checkpoint uploaded at "
+                                          "once while it is still being written (after "
+                                          "close: parts_in_flight).", "int")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
     log_level: str = _option("info", "Logging level: debug, info, warning, error.")

@@ -109,7 +109,8 @@ class Promoter:
         self._sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
-                               config.multipart_threshold, config.parts_in_flight)
+                               config.multipart_threshold, config.parts_in_flight,
+                               config.stream_parts_in_flight)
 
     # -- schedule -----------------------------------------------------------
     def schedule(self, ino: int, delay: float | None = None, force: bool = False,

@@ -47,6 +47,7 @@ class Stream:
         self.handed = 0  # bytes handed to part uploads: no write may go below
         self.sent = 0  # bytes of parts the lake acknowledged
         self.sealed: int | None = None  # final size, once the last writer closed
+        self.in_flight = 0  # parts being sent
         self.version = -1  # the file's change count when sealed
         self.broken = ""
         self.upload_id = ""
@@ -83,12 +84,13 @@ class Streams:
     """Streaming uploads by inode; started and fed by the filesystem's writes."""
 
     def __init__(self, store: ObjectStore, meta: MetaStore, part_plan: Callable[[int], int],
-                 threshold: int, parts_in_flight: int) -> None:
+                 threshold: int, parts_in_flight: int, while_writing: int) -> None:
         self.store = store
         self.meta = meta
         self.part_plan = part_plan  # part number -> its size
         self.threshold = threshold
         self.parts_in_flight = max(1, parts_in_flight)
+        self.while_writing = max(1, min(while_writing, self.parts_in_flight))
         self._nursery: trio.Nursery | None = None
         self._candidates: dict[int, tuple[str, str, dict[str, str], int]] = {}
         self._streams: dict[int, Stream] = {}
@@ -215,8 +217,11 @@ class Streams:
             while not stream.broken:
                 offset = stream.handed
                 length = self.part_plan(number)
-                while not stream.broken and stream.sealed is None \
-                        and stream.end < offset + length:
+                # Wait for the writer to pass the part's end; while it writes,
+                # fewer parts go at once, leaving it the CPU and bandwidth.
+                while not stream.broken and stream.sealed is None and (
+                        stream.end < offset + length
+                        or stream.in_flight >= self.while_writing):
                     await stream._data.wait()
                     stream._data = trio.Event()
                 if stream.broken:
@@ -230,6 +235,7 @@ class Streams:
                     in_flight.release()
                     break
                 stream.handed = offset + length
+                stream.in_flight += 1
                 nursery.start_soon(self._send_part, stream, fd, number, offset, length,
                                    in_flight)
                 number += 1
@@ -249,6 +255,8 @@ class Streams:
         except LakeError as exc:
             stream.break_(f"part {number} failed: {exc}")
         finally:
+            stream.in_flight -= 1
+            stream._wake()
             in_flight.release()
 
     async def _abort(self, stream: Stream) -> None:
