@@ -93,3 +93,17 @@ def test_rename_rekeys_the_subtree(tmp_path):
     assert (y.key, y.etag) == ("e/s/y", "ey")
     assert meta.owner_of("e/s/y") == y.ino and meta.owner_of("d/s/y") is None
     assert sorted(meta.tombstones()) == ["d/", "d/s/y", "d/x"]
+
+
+def test_a_key_tombstoned_again_during_its_delete_keeps_its_tombstone(tmp_path):
+    """The promoter drops a tombstone after its delete only if no one tombstoned the
+    key again meanwhile (an upload that landed after the delete started)."""
+    meta = MetaStore(tmp_path / "meta")
+    meta.add_tombstone("a")
+    meta.add_tombstone("b")
+    marks = meta.tombstone_marks(["a", "b"])  # a delete of a and b starts
+    meta.add_tombstone("a")  # a stale upload of "a" landed meanwhile
+    meta.drop_tombstones(marks)  # the delete returned
+    assert meta.tombstones() == {"a": 0}
+    meta.drop_tombstones(meta.tombstone_marks(["a"]))
+    assert meta.tombstones() == {}

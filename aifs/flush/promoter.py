@@ -192,6 +192,13 @@ class Promoter:
             pause = min(60.0, 2.0 ** count)
             log.warning("promotion of inode %d failed (%s); next try in %.0fs", ino, exc, pause)
             self.schedule(ino, pause)
+        except FileNotFoundError as exc:
+            current = self.meta.get(ino)
+            if current is not None and not current.orphan:
+                log.error("promotion of inode %d failed: %s", ino, exc)
+                self._failures[ino] = (1, str(exc), trio.current_time())
+                self.schedule(ino, 30.0)
+            # else: deleted while it uploaded; its local copy went with it
         except Exception as exc:  # a bug must not end the promotion loop
             log.exception("promotion of inode %d failed", ino)
             self._failures[ino] = (1, repr(exc), trio.current_time())
@@ -450,14 +457,14 @@ class Promoter:
             if len(batch) >= 1000:
                 break
         if batch:
+            marks = self.meta.tombstone_marks(batch)
             self._busy_keys.update(batch)
             try:
                 await self.store.delete_many(batch)
             finally:
                 self._busy_keys.difference_update(batch)
             self.stats.deletes += len(batch)
-            for key in batch:
-                self.meta.drop_tombstone(key)
+            self.meta.drop_tombstones(marks)  # not those tombstoned again meanwhile
             self._changed()
             return True
         if deferred:

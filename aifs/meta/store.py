@@ -17,13 +17,15 @@ pending    ino                              u64 sequence number: the inode has l
                                             says which) since that point in the order
                                             of changes (commit markers wait for older)
 tomb       lake key                         ino whose object must be deleted from the
-                                            lake (0: none); hidden from listings
+                                            lake (0: none) ++ u64 serial (a key
+                                            tombstoned again is told apart); hidden
+                                            from listings
 upload     ino ++ lake key                  JSON {key, upload_id, started}: a multipart
                                             upload in progress (aborted after a crash)
 marker     ino ++ u64 sequence number       content of a commit marker as one close left
                                             it (published once what it commits is in)
 sys        b"next_ino" / b"next_cookie"     u64 counters
-           b"next_seq"
+           b"next_seq" / b"next_tomb"
            b"schema"                        schema version
 =========  ===============================  ==========================================
 
@@ -243,8 +245,23 @@ class MetaStore:
 
     def tombstones(self) -> dict[str, int]:
         with self.env.begin() as txn:
-            return {bytes(k).decode("utf-8", "surrogateescape"): _U64.unpack(v)[0]
+            return {bytes(k).decode("utf-8", "surrogateescape"): _U64.unpack(v[:8])[0]
                     for k, v in txn.cursor(db=self.tombs)}
+
+    def tombstone_marks(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """The stored values of some tombstones, to drop them later only if no
+        one tombstoned the key again meanwhile (see :meth:`drop_tombstones`)."""
+        with self.env.begin() as txn:
+            return {key: bytes(txn.get(key_bytes(key), db=self.tombs) or b"") for key in keys}
+
+    def drop_tombstones(self, marks: dict[str, bytes]) -> None:
+        """Drop tombstones whose value is still the one in ``marks``: a key
+        tombstoned again while its delete ran (an upload that landed after
+        the delete) keeps its new tombstone."""
+        with self.env.begin(write=True) as txn:
+            for key, mark in marks.items():
+                if txn.get(key_bytes(key), db=self.tombs) == mark:
+                    txn.delete(key_bytes(key), db=self.tombs)
 
     def tombstoned(self, key: str) -> bool:
         with self.env.begin() as txn:
@@ -259,7 +276,8 @@ class MetaStore:
                 for key, value in cursor:
                     if not key.startswith(raw):
                         break
-                    out[bytes(key).decode("utf-8", "surrogateescape")] = _U64.unpack(value)[0]
+                    out[bytes(key).decode("utf-8", "surrogateescape")] = \
+                        _U64.unpack(value[:8])[0]
         return out
 
     def uploads_in_progress(self) -> list[tuple[int, str, str, float]]:
@@ -333,6 +351,10 @@ class MetaStore:
                 break
             if not cursor.delete():
                 break
+
+    def _tomb(self, txn: lmdb.Transaction, ino: int) -> bytes:
+        """A tombstone's value: the inode, and a number that changes each time."""
+        return u64(ino) + u64(self._counter(txn, b"next_tomb", 1))
 
     def put(self, inode: Inode) -> None:
         """Store an inode record as it is (and index its pending state)."""
@@ -430,7 +452,7 @@ class MetaStore:
         if txn.get(objkey, db=self.objkeys) == u64(ino):
             txn.delete(objkey, db=self.objkeys)
             if tomb and (inode.in_lake or (inode.is_dir and not inode.pending & META)):
-                txn.put(objkey, u64(ino), db=self.tombs)
+                txn.put(objkey, self._tomb(txn, ino), db=self.tombs)
         inode.orphan = True
         self._put(txn, inode)
         return inode
@@ -466,7 +488,7 @@ class MetaStore:
             self._rekey(txn, ino, new_key, etags, now, has_local, parent=new_parent)
             for key in tombstones:
                 if txn.get(key_bytes(key), db=self.objkeys) is None:
-                    txn.put(key_bytes(key), u64(0), db=self.tombs)
+                    txn.put(key_bytes(key), self._tomb(txn, 0), db=self.tombs)
             moved = Inode.decode(txn.get(u64(ino), db=self.inodes))
         return moved, replaced
 
@@ -492,7 +514,7 @@ class MetaStore:
             if inode.in_lake and inode.etag != MAYBE_IN_LAKE and not inode.pending & DATA:
                 # Promoted while the move was under way: its object under the
                 # old key was not copied. Delete it; upload the local copy.
-                txn.put(old, u64(0), db=self.tombs)
+                txn.put(old, self._tomb(txn, 0), db=self.tombs)
                 if has_local(ino):
                     inode.pending |= DATA
             # No object of its own under the new key; an older one may be there.
@@ -512,7 +534,7 @@ class MetaStore:
 
     def add_tombstone(self, key: str, ino: int = 0) -> None:
         with self.env.begin(write=True) as txn:
-            txn.put(key_bytes(key), u64(ino), db=self.tombs)
+            txn.put(key_bytes(key), self._tomb(txn, ino), db=self.tombs)
 
     def drop_tombstone(self, key: str) -> None:
         with self.env.begin(write=True) as txn:
