@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import boto3
 import botocore.config
 import pytest
+import xxhash
 
 from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
 
@@ -417,3 +419,30 @@ def lake_upload_parts(lake: Lake) -> int:
     assert lake.root is not None
     staging = lake.root / LOCAL_STAGING
     return sum(1 for part in staging.glob("*/part-*")) if staging.is_dir() else 0
+
+
+def delete_prefix(lake: Lake, prefix: str) -> None:
+    """Remove every object under ``prefix`` (bucket-relative on S3, lake-relative locally)."""
+    if lake.server:
+        client = lake.server.client
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=lake.bucket,
+                                                                  Prefix=prefix)
+        for page in pages:
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=lake.bucket, Delete={"Objects": keys})
+        return
+    assert lake.root is not None
+    path = lake.root / prefix
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def file_digest(path: Path) -> str:
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as fp:
+        while chunk := fp.read(4 << 20):
+            hasher.update(chunk)
+    return hasher.hexdigest()

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import xxhash
 from conftest import (
     LOCAL_STAGING,
     LOCAL_TMP_PREFIX,
+    file_digest,
     lake_digest,
     lake_upload_parts,
     lake_uploads,
@@ -298,14 +298,6 @@ def lake_listing(lake) -> dict[str, int]:
             except FileNotFoundError:
                 pass  # replaced between the listing and the stat
     return out
-
-
-def file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as fp:
-        while chunk := fp.read(4 * MiB):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 @dataclass

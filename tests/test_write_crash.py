@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import lake_digest, lake_keys, lake_size, lake_upload_parts, lake_uploads, wait_for
+from conftest import (
+    file_digest,
+    lake_digest,
+    lake_keys,
+    lake_size,
+    lake_upload_parts,
+    lake_uploads,
+    wait_for,
+)
 
 MiB = 1 << 20
 
@@ -169,14 +177,6 @@ def make_sources(directory: Path, sizes: dict[str, int]) -> dict[str, Source]:
                 left -= len(chunk)
         out[name] = Source(path, size, hasher.hexdigest())
     return out
-
-
-def file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as fp:
-        while chunk := fp.read(4 * MiB):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def sync(aifs_cli, path: Path) -> None:

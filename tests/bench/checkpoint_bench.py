@@ -51,6 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
+from common import boto3_multipart, start_server  # noqa: E402
+from conftest import delete_prefix, file_digest  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -316,17 +318,6 @@ def training_loop(sd: dict[str, torch.Tensor], directory: Path, args: argparse.N
     return out
 
 
-def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,
-                    threshold: int, part: int, parallel: int) -> float:
-    from boto3.s3.transfer import TransferConfig
-    config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=part,
-                            max_concurrency=parallel, use_threads=True,
-                            preferred_transfer_client="classic")
-    start = time.perf_counter()
-    server.client.upload_file(str(source), bucket, key, Config=config)
-    return time.perf_counter() - start
-
-
 def ensure_s3fs() -> str | None:
     """The s3fs binary, installed with apt-get if missing (printed); None if it
     cannot be had without removing packages."""
@@ -411,34 +402,6 @@ def emulated_write_through_loop(sd: dict[str, torch.Tensor], server: conftest.S3
         print(f"  save {index} (emulated s3fs): {out[-1][1]:.2f} s", file=sys.stderr,
               flush=True)
     return out
-
-
-def delete_prefix(lake: conftest.Lake, prefix: str) -> None:
-    """Remove every object under ``prefix`` (bucket-relative on S3, lake-relative locally)."""
-    if lake.server:
-        client = lake.server.client
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=lake.bucket,
-                                                                  Prefix=prefix)
-        for page in pages:
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=lake.bucket, Delete={"Objects": keys})
-        return
-    assert lake.root is not None
-    path = lake.root / prefix
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def file_digest(path: Path) -> str:
-    import xxhash
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as fp:
-        while chunk := fp.read(4 * MiB):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def streamed_bytes(lake: conftest.Lake, key: str) -> int:
@@ -726,15 +689,6 @@ def aifs_run(sd: dict[str, torch.Tensor], lake: conftest.Lake, mount: conftest.M
     if conftest.lake_digest(lake, key) != file_digest(newest_local):
         raise RuntimeError(f"lake object {key}: other bytes than the local save")
     return watch.violations
-
-
-def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
-    """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
-    stack = contextlib.ExitStack()
-    stops.append(stack.close)
-    if kind == "moto":
-        return stack.enter_context(conftest.moto_process())
-    return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
 
 
 def cpu_line(r: dict, name: str) -> str:

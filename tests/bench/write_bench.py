@@ -13,7 +13,6 @@ Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -30,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
+from common import boto3_multipart, start_server  # noqa: E402
+from conftest import delete_prefix  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -91,17 +92,6 @@ def cli_startup() -> float:
     return time.perf_counter() - start
 
 
-def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,
-                    threshold: int, part: int, parallel: int) -> float:
-    from boto3.s3.transfer import TransferConfig
-    config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=part,
-                            max_concurrency=parallel, use_threads=True,
-                            preferred_transfer_client="classic")
-    start = time.perf_counter()
-    server.client.upload_file(str(source), bucket, key, Config=config)
-    return time.perf_counter() - start
-
-
 def boto3_puts(server: conftest.S3Server, bucket: str, prefix: str, directory: Path,
                count: int, threads: int) -> float:
     def put(i: int) -> None:
@@ -112,25 +102,6 @@ def boto3_puts(server: conftest.S3Server, bucket: str, prefix: str, directory: P
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(put, range(count)))
     return time.perf_counter() - start
-
-
-def delete_prefix(lake: conftest.Lake, prefix: str) -> None:
-    """Remove every object under ``prefix`` (bucket-relative on S3, lake-relative locally)."""
-    if lake.server:
-        client = lake.server.client
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=lake.bucket,
-                                                                  Prefix=prefix)
-        for page in pages:
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                client.delete_objects(Bucket=lake.bucket, Delete={"Objects": keys})
-        return
-    assert lake.root is not None
-    path = lake.root / prefix
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def check_big(lake: conftest.Lake, key: str, size: int, expected: str) -> None:
@@ -293,15 +264,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
-
-
-def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
-    """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
-    stack = contextlib.ExitStack()
-    stops.append(stack.close)
-    if kind == "moto":
-        return stack.enter_context(conftest.moto_process())
-    return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
 
 
 def report(args: argparse.Namespace, r: dict[str, float]) -> None:

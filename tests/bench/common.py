@@ -1,0 +1,29 @@
+"""What the benchmarks share: starting an S3 server, the boto3 baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import conftest
+
+
+def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
+    """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
+    stack = contextlib.ExitStack()
+    stops.append(stack.close)
+    if kind == "moto":
+        return stack.enter_context(conftest.moto_process())
+    return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
+
+
+def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,
+                    threshold: int, part: int, parallel: int) -> float:
+    from boto3.s3.transfer import TransferConfig
+    config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=part,
+                            max_concurrency=parallel, use_threads=True,
+                            preferred_transfer_client="classic")
+    start = time.perf_counter()
+    server.client.upload_file(str(source), bucket, key, Config=config)
+    return time.perf_counter() - start
