@@ -261,15 +261,17 @@ class Checkpoints:
         unit = self.policies.unit_of(path_of(inode))
         if unit is None:
             return
-        root = _parent_path(unit)
-        units = self._units.setdefault(root, OrderedDict())
-        if unit not in units:
-            units[unit] = set()
-        units[unit].add(inode.ino)
-        for name in [n for n, inos in units.items() if not any(map(self.local.has, inos))]:
-            if name != unit:
-                del units[name]  # deleted or evicted: no longer counts
+        units = self._units.setdefault(_parent_path(unit), OrderedDict())
         keep = self.config.checkpoint_keep
+        if unit in units:  # one more file of a known checkpoint: ranks stand
+            units[unit].add(inode.ino)
+            newest = list(units)[-keep:] if keep else []
+            self.local.rank(inode.ino, EVICT_LAST if unit in newest else EVICT_FIRST)
+            return
+        # A new checkpoint: forget those gone from the local tier, rank again.
+        for name in [n for n, inos in units.items() if not any(map(self.local.has, inos))]:
+            del units[name]
+        units[unit] = {inode.ino}
         names = list(units)
         for index, name in enumerate(names):
             rank = EVICT_LAST if index >= len(names) - keep else EVICT_FIRST

@@ -602,8 +602,7 @@ class Filesystem:
         old_keys: list[str] = []
         copies: list[tuple[str, str]] = []
         markers: list[tuple[str, str]] = []  # copied after the rest
-        unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
-                         for i in self.meta.pending_inodes())
+        unpromoted: bool | None = None  # data below not yet in the lake (asked once)
         async for page in self.store.iter_list(source.key, None):
             for obj in page.objects:
                 old_keys.append(obj.key)
@@ -615,6 +614,9 @@ class Filesystem:
                     continue  # uploaded under its new key later
                 pair = (obj.key, new_key + obj.key[len(source.key):])
                 if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
+                    if unpromoted is None:
+                        unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
+                                         for i in self.meta.pending_inodes())
                     if unpromoted and self.local.has(owner_inode.ino):
                         continue  # uploaded again, after the data it commits
                     markers.append(pair)
@@ -902,7 +904,6 @@ class Filesystem:
             else:
                 self._writers.pop(ino, None)
                 self._save_written(ino)
-                self.checkpoints.closed(ino)
                 if ino in self._written:
                     self.promoter.streams.closed(ino, self._written[ino][0],
                                                  self.change_count(ino))
