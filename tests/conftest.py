@@ -293,27 +293,39 @@ LOCAL_STAGING = ".aifs-uploads"   # the local lake's multipart staging directory
 LOCAL_TMP_PREFIX = ".aifs-tmp-"   # the local lake's not-yet-renamed objects
 
 
-def lake_keys(lake: Lake) -> list[str]:
-    """Every key in the lake, sorted, without the lake's prefix; a directory marker
-    ends with "/" (on the local lake every directory counts as one)."""
+def lake_sizes(lake: Lake) -> dict[str, int]:
+    """Every key in the lake and its size, from one LIST, without the lake's prefix;
+    a directory marker ends with "/" (on the local lake every directory counts as
+    one, size 0)."""
+    out: dict[str, int] = {}
     if lake.server:
-        keys: list[str] = []
         pages = lake.server.client.get_paginator("list_objects_v2").paginate(
             Bucket=lake.bucket, Prefix=lake.prefix)
         for page in pages:
-            keys += [o["Key"][len(lake.prefix):] for o in page.get("Contents", [])]
-        return sorted(keys)
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(lake.prefix):]] = obj["Size"]
+        return out
     assert lake.root is not None
-    keys = []
     for dirpath, dirnames, filenames in os.walk(lake.root):
         rel = os.path.relpath(dirpath, lake.root)
         prefix = "" if rel == "." else rel + "/"
         dirnames[:] = [d for d in dirnames if not d.startswith(LOCAL_TMP_PREFIX)
                        and not (prefix == "" and d == LOCAL_STAGING)]
         if prefix:
-            keys.append(prefix)
-        keys += [prefix + f for f in filenames if not f.startswith(LOCAL_TMP_PREFIX)]
-    return sorted(keys)
+            out[prefix] = 0
+        for name in filenames:
+            if name.startswith(LOCAL_TMP_PREFIX):
+                continue
+            try:
+                out[prefix + name] = os.stat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass  # replaced between the listing and the stat
+    return out
+
+
+def lake_keys(lake: Lake) -> list[str]:
+    """Every key in the lake, sorted (see :func:`lake_sizes`)."""
+    return sorted(lake_sizes(lake))
 
 
 def lake_tree(lake: Lake, under: str = "") -> tuple[dict[str, bytes], set[str]]:

@@ -39,10 +39,9 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    LOCAL_STAGING,
-    LOCAL_TMP_PREFIX,
     file_digest,
     lake_digest,
+    lake_sizes,
     lake_upload_parts,
     lake_uploads,
     wait_for,
@@ -271,35 +270,6 @@ SCENARIOS = {s.name: s for s in (
 
 
 # -- the lake, seen directly -----------------------------------------------------
-def lake_listing(lake) -> dict[str, int]:
-    """Every key in the lake and its size, from one LIST; a directory marker ends
-    with "/" (on the local lake every directory counts as one)."""
-    if lake.server:
-        out: dict[str, int] = {}
-        pages = lake.server.client.get_paginator("list_objects_v2").paginate(
-            Bucket=lake.bucket, Prefix=lake.prefix)
-        for page in pages:
-            for obj in page.get("Contents", []):
-                out[obj["Key"][len(lake.prefix):]] = obj["Size"]
-        return out
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(lake.root):
-        rel = os.path.relpath(dirpath, lake.root)
-        prefix = "" if rel == "." else rel + "/"
-        dirnames[:] = [d for d in dirnames if not d.startswith(LOCAL_TMP_PREFIX)
-                       and not (prefix == "" and d == LOCAL_STAGING)]
-        if prefix:
-            out[prefix] = 0
-        for name in filenames:
-            if name.startswith(LOCAL_TMP_PREFIX):
-                continue
-            try:
-                out[prefix + name] = os.stat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass  # replaced between the listing and the stat
-    return out
-
-
 @dataclass
 class Sighting:
     """A commit marker seen in the lake, and what the next LIST showed under it."""
@@ -349,7 +319,7 @@ class CommitPoller:
             self.errors.append(repr(exc))
 
     def _round(self, waiting: list[Sighting], look: bool = True) -> list[Sighting]:
-        listing = lake_listing(self.lake)
+        listing = lake_sizes(self.lake)
         for key, size in listing.items():
             self.sizes_seen.setdefault(key, set()).add(size)
             self.first_seen.setdefault(key, self.rounds)
@@ -523,7 +493,7 @@ def test_checkpoint_survives_a_kill_during_promotion(name, lake, mounter, aifs_c
         saver.send(str(mount.path))
         if scenario.paused_until:
             saver.expect("paused")
-            wait_for(lambda: scenario.paused_until in lake_listing(lake), 60,
+            wait_for(lambda: scenario.paused_until in lake_sizes(lake), 60,
                      f"{scenario.paused_until} in the lake")
             phase(f"{scenario.paused_until} in the lake")
             saver.send("go on")
@@ -533,7 +503,7 @@ def test_checkpoint_survives_a_kill_during_promotion(name, lake, mounter, aifs_c
         checkpoint = [k for k in ref if k != scenario.paused_until]
 
         def started() -> bool:
-            if any(k in checkpoint for k in lake_listing(lake)):
+            if any(k in checkpoint for k in lake_sizes(lake)):
                 return True
             return scenario.kill_at == "part" and upload_parts(lake) != 0
 
@@ -542,7 +512,7 @@ def test_checkpoint_survives_a_kill_during_promotion(name, lake, mounter, aifs_c
         state = os.getxattr(mount.path / scenario.top, "user.aifs.state").decode()
         mount.kill()
         poller.killed_at = poller.rounds
-        at_kill = lake_listing(lake)
+        at_kill = lake_sizes(lake)
         phase(f"killed ({state}; in the lake: {sorted(k for k in at_kill if k in checkpoint)}, "
               f"{upload_parts(lake)} parts of unfinished uploads)")
         missing = sorted(k for k in checkpoint if k not in at_kill)
@@ -576,7 +546,7 @@ def test_checkpoint_survives_a_kill_during_promotion(name, lake, mounter, aifs_c
         saver.stop()
 
     # the lake holds exactly the checkpoint, byte for byte
-    listing = lake_listing(lake)
+    listing = lake_sizes(lake)
     files = {k: v for k, v in listing.items() if not k.endswith("/")}
     assert sorted(files) == sorted(ref), "the lake holds other files than the checkpoint"
     for key, (size, digest) in ref.items():

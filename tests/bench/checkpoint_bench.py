@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -51,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import boto3_multipart, start_server  # noqa: E402
+from common import bench_lake, boto3_multipart  # noqa: E402
 from conftest import delete_prefix, file_digest  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -478,19 +477,8 @@ def main() -> int:
     s3fs_mounts: list[S3fsMount] = []
     failed = True
     try:
-        server = None
-        if args.lake == "local":
-            root = work / "lake"
-            root.mkdir()
-            lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
-        else:
-            # Deleted objects are freed later by radosgw's GC: size the store for all.
-            need = args.runs * args.saves * 3 * size
-            server = start_server(args.lake, work, stops, math.ceil(need * 1.5 / 1e9) + 4)
-            lake = conftest.Lake(args.lake, "s3://bench/c", server.env,
-                                 ["--endpoint-url", server.endpoint], server=server,
-                                 bucket="bench", prefix="c/")
-            server.client.create_bucket(Bucket=lake.bucket)
+        # Each run leaves its objects until the next run starts: size the store for all.
+        lake, server = bench_lake(args.lake, work, stops, args.runs * args.saves * 3 * size, "c")
         servers = server_pids(server, work)
         s3fs_kind = why_emulated = ""
         s3fs_binary = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 
@@ -27,3 +28,21 @@ def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Pa
     start = time.perf_counter()
     server.client.upload_file(str(source), bucket, key, Config=config)
     return time.perf_counter() - start
+
+
+def bench_lake(kind: str, work: Path, stops: list, need_bytes: int,
+               prefix: str) -> tuple[conftest.Lake, conftest.S3Server | None]:
+    """A lake for a benchmark run: a local directory under ``work``, or a bucket
+    on a moto or Ceph server sized for ``need_bytes`` (deleted objects are freed
+    later by radosgw's GC)."""
+    if kind == "local":
+        root = work / "lake"
+        root.mkdir()
+        return conftest.Lake("local", f"file://{root}", {}, [], root=root), None
+    server = start_server(kind, work, stops, math.ceil(need_bytes * 1.5 / 1e9) + 4)
+    lake = conftest.Lake(kind, f"s3://bench/{prefix}", server.env,
+                         ["--endpoint-url", server.endpoint], server=server,
+                         bucket="bench", prefix=prefix + "/")
+    server.client.create_bucket(Bucket=lake.bucket)
+    return lake, server
+

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import boto3_multipart, start_server  # noqa: E402
+from common import bench_lake, boto3_multipart  # noqa: E402
 from conftest import delete_prefix  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -151,20 +150,9 @@ def main() -> int:
     mounts: list[conftest.Mount] = []
     failed = True
     try:
-        server = None
-        if args.lake == "local":
-            root = work / "lake"
-            root.mkdir()
-            lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
-        else:
-            # Each run leaves its objects until the next run starts (deleted
-            # objects are freed later by radosgw's GC): size the store for all.
-            need = args.runs * (2 * size + 2 * args.files * max(file_size, 4096))
-            server = start_server(args.lake, work, stops, math.ceil(need * 1.5 / 1e9) + 4)
-            lake = conftest.Lake(args.lake, "s3://bench/w", server.env,
-                                 ["--endpoint-url", server.endpoint], server=server,
-                                 bucket="bench", prefix="w/")
-            server.client.create_bucket(Bucket=lake.bucket)
+        # Each run leaves its objects until the next run starts: size the store for all.
+        need = args.runs * (2 * size + 2 * args.files * max(file_size, 4096))
+        lake, server = bench_lake(args.lake, work, stops, need, "w")
         cache_size = 2 * (size + args.files * max(file_size, 4096)) + 1024 * MiB
         mount_args = ["--cache-size", str(cache_size), "--log-level", "warning",
                       "--multipart-threshold", args.multipart_threshold,
