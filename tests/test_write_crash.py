@@ -303,3 +303,30 @@ def test_kill_as_a_multipart_upload_starts(lake, mounter, aifs_cli, tmp_path):
     kill_during_multipart(lake, mounter, aifs_cli, tmp_path, 30 * MiB,
                           lambda: lake_uploads(lake),
                           "an unfinished multipart upload in the lake")
+
+
+def test_an_upload_created_but_not_recorded_is_aborted(lake, mounter):
+    """A kill between the lake creating a multipart upload and the daemon recording
+    its id leaves only the intent in LMDB: the next mount finds the upload by key."""
+    import trio
+
+    from aifs.lake.local import LocalStore
+    from aifs.meta.store import MetaStore
+
+    mount = mounter(lake, name="first")
+    (mount.path / "big.bin").write_bytes(b"small for now")
+    ino = (mount.path / "big.bin").stat().st_ino
+    mount.unmount()
+    if lake.server:
+        lake.server.client.create_multipart_upload(Bucket=lake.bucket,
+                                                   Key=lake.prefix + "big.bin")
+    else:
+        assert lake.root is not None
+        trio.run(LocalStore(str(lake.root)).create_multipart, "big.bin", {})
+    meta = MetaStore(mount.cache_dir / "meta")
+    meta.record_upload(ino, "big.bin", "", time.time())
+    meta.close()
+    assert len(lake_uploads(lake)) == 1
+
+    mounter(lake, name="second", cache="first")
+    wait_for(lambda: not lake_uploads(lake), 20, "the unrecorded upload aborted")

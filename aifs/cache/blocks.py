@@ -74,11 +74,12 @@ class BlockCache:
             log.info("block cache: %d blocks, %.1f MiB kept from before", len(found),
                      self.used / 2**20)
 
-    def _account(self, rel: str, size: int) -> None:
+    def _account(self, rel: str, size: int, reserved: bool = False) -> None:
         self._lru[rel] = size
         ident = rel.split("/")[1]
         self._per_object[ident] = self._per_object.get(ident, 0) + size
-        self.used += size
+        if not reserved:
+            self.used += size
 
     @staticmethod
     def _rel(version: ObjectVersion, index: int) -> str:
@@ -100,10 +101,10 @@ class BlockCache:
         with self._lock:
             if rel in self._lru:
                 return
-        self._make_room(len(data))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._reserve(len(data))
         tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as fp:
                 fp.write(data)
             os.rename(tmp, path)
@@ -111,15 +112,22 @@ class BlockCache:
             # A full or failing cache disk costs speed, not correctness.
             log.warning("cannot cache block %s: %s", rel, exc.strerror)
             tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.used -= len(data)
             return
         with self._lock:
-            if rel not in self._lru:
-                self._account(rel, len(data))
+            if rel in self._lru:  # stored twice at once: the space was reserved twice
+                self.used -= len(data)
+            else:
+                self._account(rel, len(data), reserved=True)
 
-    def _make_room(self, incoming: int) -> None:
+    def _reserve(self, incoming: int) -> None:
+        """Evict until ``incoming`` bytes fit, and count them as used at once, so
+        that blocks stored by several threads together cannot overshoot."""
         while True:
             with self._lock:
                 if self.used + incoming + self.others() <= self.capacity or not self._lru:
+                    self.used += incoming
                     return
                 rel, _ = next(iter(self._lru.items()))
             self._forget(rel)

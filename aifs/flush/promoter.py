@@ -37,7 +37,6 @@ MIN_PART = 5 * MiB
 MAX_PART = 5 << 30
 MAX_PARTS = 10_000
 PARTS_PER_STEP = 1000  # the part size doubles every this many parts
-CLOCK_SKEW = 300.0  # seconds the lake's clock may be behind ours
 
 
 def part_size(number: int, base: int) -> int:
@@ -403,14 +402,19 @@ class Promoter:
 
     async def _abort_leftover_uploads(self) -> None:
         """Abort the multipart uploads an earlier run left unfinished, those it
-        did not live to record too (found by key and start time)."""
-        for ino, key, upload_id, started in self.meta.uploads_in_progress():
+        did not live to record too.
+
+        An upload whose id was not recorded is found by its key alone: the lake's
+        initiation times cannot be trusted to tell it apart (moto reports one fixed
+        date). Another writer's upload of the same key may be aborted with it; that
+        writer's upload fails and is retried, so no data is lost.
+        """
+        for ino, key, upload_id, _started in self.meta.uploads_in_progress():
             try:
                 if upload_id:
                     ids = [upload_id]
                 else:
-                    ids = [found for found, initiated in await self.store.list_multipart(key)
-                           if initiated >= started - CLOCK_SKEW]
+                    ids = [found for found, _ in await self.store.list_multipart(key)]
                 for one in ids:
                     await self.store.abort_multipart(key, one)
                     log.info("aborted multipart upload of %s left by an earlier run", key)
