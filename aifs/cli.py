@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
 
     mount = sub.add_parser("mount", help="mount a lake",
                            usage="aifs mount [LAKE_URL] MOUNTPOINT [options]")
-    mount.add_argument("targets", nargs="+", metavar="[LAKE_URL] MOUNTPOINT")
+    mount.add_argument("targets", nargs="*", metavar="[LAKE_URL] MOUNTPOINT",
+                       help="both may come from the config file instead")
     mount.add_argument("--config", "-c", help="TOML configuration file")
     mount.add_argument("--foreground", "-f", action="store_true", default=None,
                        help="stay in the foreground")
@@ -53,10 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--stream-checkpoints", choices=["true", "false"])
     mount.add_argument("--stream-parts-in-flight", type=int)
     mount.add_argument("--allow-other", action="store_true", default=None)
+    mount.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this "
+                       "port (127.0.0.1 unless --metrics-address)")
+    mount.add_argument("--metrics-address")
+    mount.add_argument("--unmount-timeout", type=float, help="seconds")
     mount.add_argument("--log-level")
     mount.add_argument("--log-file")
+    mount.add_argument("--log-format", choices=["text", "json"])
     mount.add_argument("-o", dest="fuse_options", action="append", default=None,
                        help="FUSE mount options")
+    mount.add_argument("--clear-dead-mount", action="store_true",
+                       help="detach a dead aifs mount (its daemon killed) on MOUNTPOINT "
+                       "instead of refusing; the systemd unit restarts with it")
 
     umount = sub.add_parser("umount", help="promote pending changes, unmount and wait for "
                             "the daemon to exit")
@@ -85,6 +95,7 @@ def _mount(args: argparse.Namespace) -> int:
     if len(args.targets) > 2:
         raise ConfigError("expected [LAKE_URL] MOUNTPOINT")
     lake = args.targets[0] if len(args.targets) == 2 else None
+    mountpoint = args.targets[-1] if args.targets else None
     overrides = {name: getattr(args, name) for name in (
         "cache_dir", "cache_size", "block_size", "memory_cache", "readahead_max",
         "kernel_readahead",
@@ -92,18 +103,22 @@ def _mount(args: argparse.Namespace) -> int:
         "max_connections", "request_timeout", "retries", "promote_delay",
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
-        "stream_checkpoints", "stream_parts_in_flight", "allow_other", "log_level",
-        "log_file", "foreground", "fuse_options")}
+        "stream_checkpoints", "stream_parts_in_flight", "metrics_port", "metrics_address",
+        "unmount_timeout", "allow_other", "log_level", "log_file", "log_format",
+        "foreground", "fuse_options")}
     overrides["lake"] = lake
-    overrides["mountpoint"] = os.path.abspath(args.targets[-1])
+    overrides["mountpoint"] = os.path.abspath(mountpoint) if mountpoint else None
     config = load_config(args.config, overrides)
+    if not config.mountpoint:
+        raise ConfigError("no mountpoint: give one, or set mountpoint in the config file")
+    config.mountpoint = os.path.abspath(config.mountpoint)
     if not config.lake and not lake:
         # The embedded default works with no configuration: create it.
         os.makedirs(default_lake_url()[len("file://"):], exist_ok=True)
-    check_mountpoint(config.mountpoint)
+    check_mountpoint(config.mountpoint, clear_dead=args.clear_dead_mount)
 
     if config.foreground:
-        setup_logging(config.log_level, config.log_file or None)
+        setup_logging(config.log_level, config.log_file or None, config.log_format)
         return serve(config)
 
     cache_dir = config.resolved_cache_dir()
@@ -119,7 +134,7 @@ def _mount(args: argparse.Namespace) -> int:
             os.dup2(devnull, fd)
         status = 1
         try:
-            setup_logging(config.log_level, log_file)
+            setup_logging(config.log_level, log_file, config.log_format)
             status = serve(config, ready_fd=write_end)
         finally:
             os._exit(status)
@@ -204,11 +219,15 @@ def _umount(args: argparse.Namespace) -> int:
             os.setxattr(mountpoint, "user.aifs.unmount_flush", b"0")
         else:
             _sync(mountpoint)
-    result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True,
+    # As root, umount(8) without helpers (-i: it may be the helper calling us)
+    # also drops the mount's line from /run/mount/utab; fusermount3 would not.
+    command = (["umount", "-i", mountpoint] if os.geteuid() == 0 and shutil.which("umount")
+               else ["fusermount3", "-u", mountpoint])
+    result = subprocess.run(command, capture_output=True,
                             text=True)
     if result.returncode != 0:
         message = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
-        raise AifsError(f"cannot unmount {mountpoint}: {message or 'fusermount3 failed'}")
+        raise AifsError(f"cannot unmount {mountpoint}: {message or 'umount failed'}")
     if pid is not None:
         deadline = time.monotonic() + args.timeout
         while process_alive(pid):
@@ -225,9 +244,7 @@ def _status(args: argparse.Namespace) -> int:
 
     root = _mount_root(args.paths[0])
     try:
-        stats = json.loads(os.getxattr(root, "user.aifs.stats"))
-        pending = json.loads(os.getxattr(root, "user.aifs.pending"))
-        lake = os.getxattr(root, "user.aifs.lake").decode()
+        metrics = json.loads(os.getxattr(root, "user.aifs.metrics"))
     except (OSError, ValueError) as exc:
         raise AifsError(f"cannot read the status of {root}: {exc}") from None
     paths = {}
@@ -238,23 +255,69 @@ def _status(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise AifsError(f"{path}: {exc.strerror}") from None
     if args.json:
-        print(json.dumps({"mountpoint": root, "lake": lake, "pending": pending,
-                          "stats": stats, "paths": paths}, indent=2))
+        print(json.dumps({"mountpoint": root, "metrics": metrics, "paths": paths}, indent=2))
         return 0
-    mib = 2**20
-    print(f"mount      {root} <- {lake}")
-    print(f"pending    {pending.get('files', 0)} files ({pending.get('bytes', 0) / mib:.1f} "
-          f"MiB), {pending.get('deletes', 0)} deletes, {pending.get('uploading', 0)} "
-          "uploading")
-    print(f"cache      {stats['cache_bytes'] / mib:.1f} MiB blocks + "
-          f"{stats['local_bytes'] / mib:.1f} MiB files of {stats['cache_capacity'] / mib:.0f}"
-          f" MiB; {stats['evictions']} evictions")
-    print(f"lake       {stats['lake_gets']} GETs ({stats['lake_bytes'] / mib:.1f} MiB), "
-          f"{stats['uploads']} uploads ({stats['upload_bytes'] / mib:.1f} MiB), "
-          f"{stats['deletes']} deletes, {stats['promote_failures']} failures")
+    for line in status_lines(root, metrics):
+        print(line)
     for path, facts in paths.items():
         print(f"{facts['state']:<10} {path} ({facts['policy']})")
     return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+#: short names of the S3 operations in the status output
+_OPS = {"GetObject": "GET", "PutObject": "PUT", "HeadObject": "HEAD", "ListObjectsV2": "LIST",
+        "UploadPart": "part", "CreateMultipartUpload": "create", "CompleteMultipartUpload":
+        "complete", "AbortMultipartUpload": "abort", "DeleteObjects": "DELETE",
+        "CopyObject": "COPY", "ListMultipartUploads": "uploads"}
+
+
+def status_lines(root: str, m: dict) -> list[str]:
+    """The human form of a mount's metrics snapshot."""
+    cache, promo, lake, rate = m["cache"], m["promotion"], m["lake"], m["throughput"]
+    tiers = cache["bytes"]
+    used = tiers["blocks"] + tiers["files"]
+    requests = ", ".join(f"{_OPS.get(op, op)} {n}" for op, n in lake["requests"].items() if n)
+    policies = ", ".join(f"{p} {_size(n)}" for p, n in cache["by_policy"].items()) or "-"
+    return [
+        f"mount      {root} <- {m['lake_url']} (pid {m['pid']}, up {_duration(m['uptime_s'])})",
+        f"cache      {_size(used)} of {_size(cache['capacity_bytes'])} on disk "
+        f"(blocks {_size(tiers['blocks'])}, files {_size(tiers['files'])}, "
+        f"{_size(cache['dirty_bytes'])} of them not in the lake); "
+        f"memory {_size(tiers['memory'])}",
+        f"policies   {policies}",
+        f"reads      hit ratio {cache['hit_ratio']:.2f} (memory {cache['hits']['memory']}, "
+        f"disk {cache['hits']['disk']}, local files {cache['hits']['local']}; "
+        f"{cache['misses']} misses); {cache['evictions']} evictions",
+        f"promotion  {promo['pending_files']} files ({_size(promo['pending_bytes'])}) and "
+        f"{promo['pending_deletes']} deletes pending, oldest "
+        f"{_duration(promo['oldest_age_s'])}; {promo['uploading']} uploading; "
+        f"{promo['uploads']} uploaded ({_size(promo['upload_bytes'])}), "
+        f"{promo['failures']} failures",
+        f"lake       {requests or 'no requests'}; {sum(lake['errors'].values())} errors, "
+        f"{lake['retries']} retries; {_size(lake['read_bytes'])} in, "
+        f"{_size(lake['written_bytes'])} out",
+        f"throughput reads {_size(rate['read_bytes_per_s'])}/s, writes "
+        f"{_size(rate['write_bytes_per_s'])}/s; lake in "
+        f"{_size(rate['lake_read_bytes_per_s'])}/s, out "
+        f"{_size(rate['lake_written_bytes_per_s'])}/s (last 10s)",
+    ]
 
 
 def process_alive(pid: int) -> bool:

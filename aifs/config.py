@@ -118,7 +118,18 @@ class Config:
                                           "close: parts_in_flight).", "int")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
+    metrics_port: int = _option(0, "TCP port of the Prometheus metrics endpoint "
+                                "(/metrics, and /metrics.json); 0 serves none.", "int")
+    metrics_address: str = _option("127.0.0.1", "Address the metrics endpoint binds to "
+                                   "(0.0.0.0 exposes it to the network).")
+    unmount_timeout: float = _option(0.0, "Seconds an unmount or a stop signal waits for "
+                                     "pending changes to reach the lake before the daemon "
+                                     "exits anyway (they stay in the cache directory and the "
+                                     "next mount promotes them); 0 waits as long as it takes.",
+                                     "float")
     log_level: str = _option("info", "Logging level: debug, info, warning, error.")
+    log_format: str = _option("text", "Log line format: 'text', or 'json' (one object per "
+                              "line: time, level, logger, message).")
     log_file: str = _option("", "Log file of a daemonized mount (default: "
                             "<cache_dir>/aifs.log).")
     foreground: bool = _option(False, "Stay in the foreground instead of daemonizing.",
@@ -169,6 +180,12 @@ class Config:
         self.policies()
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"unknown log level {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be 'text' or 'json', not {self.log_format!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port, not {self.metrics_port}")
+        if self.unmount_timeout < 0:
+            raise ConfigError("unmount_timeout must not be negative")
 
 
 def option_fields() -> list[dataclasses.Field]:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import itertools
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -50,6 +52,7 @@ from aifs.meta.store import (
     MetaStore,
     valid_name,
 )
+from aifs.metrics import Metrics
 from aifs.policy import POLICIES, POLICY_XATTR
 from aifs.read.fetcher import BlockFetcher, read_at
 from aifs.read.readahead import Readahead
@@ -61,6 +64,7 @@ READDIR_BATCH = 1000
 XATTR_PREFIX = b"user.aifs."
 SYNC_XATTR = b"user.aifs.sync"
 PENDING_XATTR = b"user.aifs.pending"
+METRICS_XATTR = b"user.aifs.metrics"
 UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -144,13 +148,18 @@ class Filesystem:
         self.flush_on_unmount = True
         self.write_requests = 0
         self.write_bytes = 0
+        self.read_requests = 0
+        self.read_bytes = 0
+        self.local_reads = 0  # reads answered from a whole local copy
         local.in_use = self.is_open
         cache.others = lambda: local.used
         self.fetcher.make_room = self._room_for_blocks
+        self.metrics = Metrics(self)
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
         nursery.start_soon(self.promoter.run)
+        nursery.start_soon(self.metrics.run)
 
     def recover(self) -> None:
         """At mount: reconcile local copies with the metadata after any exit."""
@@ -689,10 +698,14 @@ class Filesystem:
         self._opens[ino] = self._opens.get(ino, 0) + 1
         if writable:
             self._writers[ino] = self._writers.get(ino, 0) + 1
-        self.files[fh] = OpenFile(ino, ObjectVersion(inode.key, inode.etag, inode.size),
+        self.files[fh] = OpenFile(ino, self._version(inode),
                                   Readahead(self.block_size, self.config.readahead_max),
                                   writable)
         return fh
+
+    def _version(self, inode: Inode) -> ObjectVersion:
+        """The lake version an inode's cached blocks belong to."""
+        return ObjectVersion(inode.key, inode.etag, inode.size, self.checkpoints.policy_of(inode))
 
     def _file(self, fh: int) -> OpenFile:
         handle = self.files.get(fh)
@@ -701,8 +714,14 @@ class Filesystem:
         return handle
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
-        handle = self._file(fh)
+        data = await self._read(self._file(fh), offset, size)
+        self.read_requests += 1
+        self.read_bytes += len(data)
+        return data
+
+    async def _read(self, handle: OpenFile, offset: int, size: int) -> bytes | memoryview:
         if self.local.has(handle.ino):
+            self.local_reads += 1
             self.local.touch(handle.ino)
             fd = self.local.fd(handle.ino)
             ahead = handle.readahead.observe(offset, size)
@@ -794,7 +813,7 @@ class Filesystem:
             self.local.create(inode.ino)
             return
         await self._reserve(size)
-        version = ObjectVersion(inode.key, inode.etag, inode.size)
+        version = self._version(inode)
         bs = self.block_size
         count = (size + bs - 1) // bs
         tmp = self.local.tmp_path(inode.ino)
@@ -963,7 +982,7 @@ class Filesystem:
         self._marked_dirty.discard(ino)  # the next write marks it dirty again
         if ino in self._kernel_etag:
             self._kernel_etag[ino] = inode.etag
-        version = ObjectVersion(inode.key, inode.etag, inode.size)
+        version = self._version(inode)
         for handle in self.files.values():
             if handle.ino == ino:
                 handle.version = version
@@ -978,8 +997,11 @@ class Filesystem:
         else:
             await self.promoter.sync(lambda i: i.ino == ino, None)
 
-    async def drain(self) -> None:
-        """At unmount: promote everything (unless told not to)."""
+    async def drain(self, timeout: float = 0.0,
+                    progress: Callable[[dict[str, float]], None] | None = None) -> None:
+        """At unmount: promote everything (unless told not to), for at most
+        ``timeout`` seconds (0: as long as it takes); ``progress`` is told
+        what is left once a second."""
         summary = self.promoter.summary()
         if not (summary["files"] or summary["deletes"]):
             return
@@ -989,36 +1011,58 @@ class Filesystem:
             return
         log.info("promoting %d files (%d bytes) and %d deletes before unmounting",
                  summary["files"], summary["bytes"], summary["deletes"])
-        try:
-            await self.promoter.sync(lambda i: True, "")
-        except LakeError as exc:
+
+        async def report() -> None:
+            while progress is not None:
+                progress(self.promoter.summary())
+                await trio.sleep(1)
+
+        async def promote_all() -> None:
+            try:
+                await self.promoter.sync(lambda i: True, "")
+            except LakeError as exc:
+                left = self.promoter.summary()
+                log.error("unmounting with %d files not in the lake (%s): the next mount "
+                          "with this cache directory promotes them", left["files"], exc)
+
+        with trio.move_on_after(timeout or math.inf) as deadline:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(report)
+                await promote_all()
+                nursery.cancel_scope.cancel()
+        if deadline.cancelled_caught:
             left = self.promoter.summary()
-            log.error("unmounting with %d files not in the lake (%s): the next mount "
-                      "with this cache directory promotes them", left["files"], exc)
+            log.warning("unmount_timeout of %.0fs passed with %d files (%d bytes) and %d "
+                        "deletes not yet in the lake: the next mount with this cache "
+                        "directory promotes them", timeout, left["files"], left["bytes"],
+                        left["deletes"])
 
     # -- extended attributes ----------------------------------------------------
-    def xattrs(self, ino: int) -> dict[bytes, bytes]:
-        """User xattrs, then read-only facts about an inode as ``user.aifs.*``."""
+    def xattrs(self, ino: int) -> dict[bytes, Callable[[], bytes]]:
+        """User xattrs, then read-only facts about an inode as ``user.aifs.*``;
+        each value is computed only when asked for (some walk the whole queue)."""
         inode = self._inode(ino)
-        out = {name.encode("utf-8", "surrogateescape"): base64.b64decode(value)
-               for name, value in inode.xattrs.items()}
-        out[b"user.aifs.key"] = inode.key.encode("utf-8", "surrogateescape")
+        out: dict[bytes, Callable[[], bytes]] = {
+            name.encode("utf-8", "surrogateescape"): functools.partial(base64.b64decode, value)
+            for name, value in inode.xattrs.items()}
+        out[b"user.aifs.key"] = lambda: inode.key.encode("utf-8", "surrogateescape")
         if not inode.is_dir:
-            version = ObjectVersion(inode.key, inode.etag, inode.size)
-            out[b"user.aifs.etag"] = inode.etag.encode()
-            cached = self.cache.cached_bytes(version)
-            if self.local.has(ino):
-                cached = max(cached, inode.size)
-            out[b"user.aifs.cached_bytes"] = str(cached).encode()
-        out[b"user.aifs.state"] = self.checkpoints.state(
+            out[b"user.aifs.etag"] = inode.etag.encode
+            out[b"user.aifs.cached_bytes"] = lambda: str(self._cached_bytes(inode)).encode()
+        out[b"user.aifs.state"] = lambda: self.checkpoints.state(
             inode, self.promoter.progress, self._with_written).encode()
-        out[POLICY_XATTR.encode()] = self.checkpoints.policy_of(inode).encode()
+        out[POLICY_XATTR.encode()] = lambda: self.checkpoints.policy_of(inode).encode()
         if ino == ROOT_INO:
-            out[b"user.aifs.lake"] = self.config.resolved_lake().encode()
-            out[b"user.aifs.pid"] = str(os.getpid()).encode()
-            out[b"user.aifs.stats"] = json.dumps(self.stats()).encode()
-            out[PENDING_XATTR] = json.dumps(self.promoter.summary()).encode()
+            out[b"user.aifs.lake"] = self.config.resolved_lake().encode
+            out[b"user.aifs.pid"] = str(os.getpid()).encode
+            out[b"user.aifs.stats"] = lambda: json.dumps(self.stats()).encode()
+            out[PENDING_XATTR] = lambda: json.dumps(self.promoter.summary()).encode()
+            out[METRICS_XATTR] = lambda: json.dumps(self.metrics.snapshot()).encode()
         return out
+
+    def _cached_bytes(self, inode: Inode) -> int:
+        cached = self.cache.cached_bytes(ObjectVersion(inode.key, inode.etag, inode.size))
+        return max(cached, inode.size) if self.local.has(inode.ino) else cached
 
     def stats(self) -> dict[str, int]:
         """Live counters (also the seed of ``aifs status``)."""
@@ -1042,7 +1086,7 @@ class Filesystem:
         value = self.xattrs(ino).get(name)
         if value is None:
             raise FsError(errno.ENODATA)
-        return value
+        return value()
 
     def listxattr(self, ino: int) -> list[bytes]:
         return list(self.xattrs(ino))

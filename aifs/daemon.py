@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import signal
 import socket
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,19 +28,49 @@ from aifs.lake.base import ObjectStore
 log = logging.getLogger(__name__)
 
 
-def setup_logging(level: str, log_file: str | None) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers (``log_format = "json"``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        entry = {"time": f"{stamp}.{int(record.msecs):03d}Z",
+                 "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str, log_file: str | None, log_format: str = "text") -> None:
+    """Log to ``log_file``, else to stderr (journald under systemd)."""
     handler: logging.Handler
     if log_file:
         handler = logging.FileHandler(log_file)
     else:
         handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    elif not log_file and os.environ.get("JOURNAL_STREAM"):
+        # journald stamps each line itself; the level becomes a syslog prefix
+        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+class JournalFormatter(logging.Formatter):
+    """``<N>`` syslog priority prefixes, which journald turns into levels."""
+
+    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
 
 
 def sd_notify(message: str) -> None:
@@ -48,24 +81,64 @@ def sd_notify(message: str) -> None:
     if address.startswith("@"):
         address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)  # never stall the event loop on a reader that lags
         try:
             sock.connect(address)
-            sock.sendall(message.encode())
+            sock.send(message.encode())
+        except BlockingIOError:
+            log.debug("sd_notify: the reader's queue is full; dropped %r", message)
         except OSError as exc:
             log.warning("sd_notify failed: %s", exc)
 
 
-def check_mountpoint(mountpoint: str) -> None:
-    """Catch the usual mistakes before doing any work."""
+def mount_type(mountpoint: str) -> str | None:
+    """The filesystem type mounted on ``mountpoint`` (from /proc/self/mountinfo)."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as fp:
+            for line in fp:
+                fields = line.split()
+                if len(fields) < 10 or "-" not in fields:
+                    continue
+                point = fields[4].encode().decode("unicode_escape")
+                if point == target:
+                    found = fields[fields.index("-") + 1]  # the last one mounted wins
+    except OSError:
+        return None
+    return found
+
+
+def clear_dead_mount(mountpoint: str) -> None:
+    """Detach an aifs mount whose daemon is gone, so a restart can mount again."""
+    kind = mount_type(mountpoint)
+    if kind != "fuse.aifs":
+        raise ConfigError(f"{mountpoint} is a dead {kind or 'FUSE'} mount, not aifs's: "
+                          "unmount it first")
+    result = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise ConfigError(f"cannot clear the dead mount on {mountpoint}: "
+                          f"{result.stderr.strip() or 'fusermount3 failed'}")
+    log.warning("cleared a dead aifs mount on %s (its daemon had exited)", mountpoint)
+
+
+def check_mountpoint(mountpoint: str, clear_dead: bool = False) -> None:
+    """Catch the usual mistakes before doing any work; with ``clear_dead`` a
+    dead aifs mount (its daemon killed) is detached instead of refused."""
+    dead = (f"{mountpoint} is a dead mount (its daemon is gone): run 'aifs umount "
+            f"{mountpoint}' first")
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:
         raise ConfigError(f"mountpoint {mountpoint} does not exist") from None
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise ConfigError(f"{mountpoint} is a dead mount (its daemon is gone): "
-                              f"run 'aifs umount {mountpoint}' first") from None
-        raise ConfigError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+        if exc.errno != errno.ENOTCONN:
+            raise ConfigError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+        if not clear_dead:
+            raise ConfigError(dead) from None
+        clear_dead_mount(mountpoint)
+        return check_mountpoint(mountpoint)
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
@@ -73,8 +146,10 @@ def check_mountpoint(mountpoint: str) -> None:
             os.listdir(mountpoint)  # stat may come from the kernel's cache; readdir won't
         except OSError as exc:
             if exc.errno == errno.ENOTCONN:
-                raise ConfigError(f"{mountpoint} is a dead mount (its daemon is gone): "
-                                  f"run 'aifs umount {mountpoint}' first") from None
+                if not clear_dead:
+                    raise ConfigError(dead) from None
+                clear_dead_mount(mountpoint)
+                return check_mountpoint(mountpoint)
         raise ConfigError(f"mountpoint {mountpoint} is busy: something is mounted there")
     if not os.path.exists("/dev/fuse"):
         raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) "
@@ -127,7 +202,8 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)
         from aifs.lake import open_store
-        store = open_store(config)
+        from aifs.lake.counting import CountingStore
+        store = CountingStore(open_store(config))
         return trio.run(_serve, config, store, cache_dir, report, lock)
     except AifsError as exc:
         if ready_fd is None:
@@ -144,6 +220,7 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     from aifs.core import Filesystem
     from aifs.fuse_ops import Operations
     from aifs.meta.store import MetaStore
+    from aifs.metrics import serve_http
     await store.check()
     meta = MetaStore(cache_dir / "meta")
     cache = await trio.to_thread.run_sync(BlockCache, cache_dir, config.cache_size)
@@ -171,11 +248,14 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(_on_signals)
+            if config.metrics_port:
+                await nursery.start(serve_http, config.metrics_address, config.metrics_port,
+                                    fs.metrics)
             nursery.start_soon(_announce_ready, mountpoint, report, config)
             await pyfuse3.main()
             unmount()
             # The mount is gone; the promoter still runs: finish what is pending.
-            await fs.drain()
+            await fs.drain(config.unmount_timeout, _report_drain)
             nursery.cancel_scope.cancel()
     finally:
         unmount()
@@ -183,6 +263,11 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         meta.close()
         await store.aclose()
     return 0
+
+
+def _report_drain(left: dict[str, float]) -> None:
+    sd_notify(f"STATUS=promoting {left['files']:.0f} files ({left['bytes'] / 2**20:.1f} MiB) "
+              f"and {left['deletes']:.0f} deletes before exiting")
 
 
 def tune_kernel(mountpoint: str, readahead: int, max_background: int) -> None:

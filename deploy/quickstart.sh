@@ -5,8 +5,10 @@
 #                                       /mnt/aifs-demo (embedded local-directory lake)
 #   deploy/quickstart.sh --install-only install everything, mount nothing (CI)
 #
-# Installs: apt packages fuse3, libfuse3-dev, pkg-config, a C compiler and the
-# Python headers; a virtual environment in .venv with aifs and its test extras.
+# Installs: apt packages fuse3, libfuse3-dev, pkg-config, a C compiler, the
+# Python headers and systemd; a virtual environment in .venv with aifs and its
+# test extras; /usr/local/bin/aifs, the mount helpers /sbin/mount.fuse.aifs and
+# /sbin/umount.{fuse.,}aifs, and the systemd unit /etc/systemd/system/aifs@.service.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
@@ -14,7 +16,8 @@ DEMO_MNT=${AIFS_DEMO_MOUNTPOINT:-/mnt/aifs-demo}
 DEMO_LAKE=${AIFS_DEMO_LAKE:-/var/lib/aifs/lake}
 
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev; do
+# systemd: systemd-analyze checks the unit file in the tests
+for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev systemd; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
@@ -29,6 +32,18 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
 echo "aifs installed: $(.venv/bin/aifs --version)"
+
+# System integration: the aifs command, the mount(8)/umount(8) helpers for fstab
+# lines of type fuse.aifs, and the systemd unit aifs@NAME (/etc/aifs/NAME.toml).
+ln -sfn "$PWD/.venv/bin/aifs" /usr/local/bin/aifs
+for helper in mount.fuse.aifs umount.fuse.aifs umount.aifs; do
+  ln -sfn "$PWD/mount/mount.aifs" "/sbin/$helper"
+done
+if [[ -d /etc/systemd/system ]]; then
+  install -m 644 deploy/aifs@.service /etc/systemd/system/aifs@.service
+  if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
+fi
+mkdir -p /etc/aifs
 
 [[ $MODE == --install-only ]] && exit 0
 

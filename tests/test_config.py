@@ -46,3 +46,40 @@ def test_readme_lists_every_option():
     table = text.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.M))
     assert documented == {f.name for f in option_fields()}
+
+
+def _mount_options() -> list[list[str]]:
+    """The option strings of each ``aifs mount`` option (``["--foreground", "-f"]``)."""
+    import argparse
+
+    from aifs.cli import _parser
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [a.option_strings for a in sub.choices["mount"]._actions if a.option_strings]
+
+
+def test_readme_rows_match_the_code_and_the_command_line():
+    """Each row's flag, variable and meaning are what the code accepts; every
+    flag of ``aifs mount`` is documented."""
+    text = README.read_text()
+    table = text.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    fields = {f.name: f for f in option_fields()}
+    options = _mount_options()
+    flags = {flag for strings in options for flag in strings}
+    documented_flags = set()
+    for row in re.findall(r"^\| `[a-z_]+` \|.*$", table, re.M):
+        name, cli, env, _default, meaning = [c.strip() for c in row.strip("|").split(" | ")]
+        field = fields[name.strip("`")]
+        assert meaning == field.metadata["doc"], name
+        expected_env = f"AIFS_{field.name.upper()}" if field.metadata["env"] else None
+        assert (env.split("`")[1] if "`" in env else None) == expected_env, name
+        if "`" in cli:
+            flag = cli.split("`")[1].split()[0]
+            assert flag in flags, f"{name}: {flag} is not an aifs mount flag"
+            documented_flags.add(flag)
+        else:
+            assert "--" + field.name.replace("_", "-") not in flags, f"{name}: flag undocumented"
+    for strings in options:
+        if "--help" in strings or documented_flags & set(strings):
+            continue
+        assert any(f"`{flag}" in text or f" {flag}" in text for flag in strings), \
+            f"{strings} not in the README"

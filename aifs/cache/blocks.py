@@ -17,12 +17,14 @@ import logging
 import os
 import threading
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
+
+from aifs.policy import POLICY_XATTR
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class ObjectVersion:
     key: str
     etag: str
     size: int
+    #: the file's policy when its blocks were cached (for figures per policy)
+    policy: str = field(default="default", compare=False)
 
     @functools.cached_property
     def ident(self) -> str:
@@ -51,6 +55,8 @@ class BlockCache:
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # relative path -> bytes
         self._per_object: dict[str, int] = {}  # ident -> bytes cached
+        self._policy: dict[str, str] = {}  # ident -> policy of its blocks
+        self.by_policy: Counter[str] = Counter()  # bytes cached per policy
         self.used = 0
         self.evictions = 0
         self._scan()
@@ -61,6 +67,10 @@ class BlockCache:
             if not shard.is_dir():
                 continue
             for obj in os.scandir(shard.path):
+                try:
+                    self._policy[obj.name] = os.getxattr(obj.path, POLICY_XATTR).decode()
+                except OSError:
+                    pass
                 for block in os.scandir(obj.path):
                     if block.name.startswith("tmp-"):
                         os.unlink(block.path)
@@ -78,6 +88,7 @@ class BlockCache:
         self._lru[rel] = size
         ident = rel.split("/")[1]
         self._per_object[ident] = self._per_object.get(ident, 0) + size
+        self.by_policy[self._policy.get(ident, "default")] += size
         if not reserved:
             self.used += size
 
@@ -104,7 +115,9 @@ class BlockCache:
         self._reserve(len(data))
         tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._label(path.parent, version)
             with open(tmp, "wb") as fp:
                 fp.write(data)
             os.rename(tmp, path)
@@ -120,6 +133,16 @@ class BlockCache:
                 self.used -= len(data)
             else:
                 self._account(rel, len(data), reserved=True)
+
+    def _label(self, directory: Path, version: ObjectVersion) -> None:
+        """Remember the policy of an object's blocks, across restarts too."""
+        with self._lock:
+            self._policy[version.ident] = version.policy
+        if version.policy != "default":
+            try:
+                os.setxattr(directory, POLICY_XATTR, version.policy.encode())
+            except OSError:
+                pass  # no user xattrs on the cache disk: counted as default after a restart
 
     def _reserve(self, incoming: int) -> None:
         """Evict until ``incoming`` bytes fit, and count them as used at once, so
@@ -153,11 +176,13 @@ class BlockCache:
                 return
             ident = rel.split("/")[1]
             self.used -= size
+            self.by_policy[self._policy.get(ident, "default")] -= size
             left = self._per_object.get(ident, 0) - size
             if left > 0:
                 self._per_object[ident] = left
             else:
                 self._per_object.pop(ident, None)
+                self._policy.pop(ident, None)
         try:
             os.unlink(self.root / rel)
             os.rmdir((self.root / rel).parent)

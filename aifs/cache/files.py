@@ -66,6 +66,11 @@ class LocalFiles:
     def inos(self) -> list[int]:
         return list(self._sizes)
 
+    def sizes(self) -> dict[int, int]:
+        """ino -> bytes of its local copy (a snapshot)."""
+        with self._lock:
+            return dict(self._sizes)
+
     def path(self, ino: int) -> Path:
         return self.root / str(ino)
 

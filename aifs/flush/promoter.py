@@ -494,12 +494,16 @@ class Promoter:
         with trio.move_on_after(timeout):
             await self._progress.wait()
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, float]:
+        """The promotion queue: files and bytes not yet in the lake, deletes to
+        make, uploads running, and the age in seconds of the oldest change."""
         pending = self.meta.pending_inodes()
+        oldest = min((i.ctime for i in pending if i.ctime), default=None)
         return {"files": len(pending),
                 "bytes": sum(i.size for i in pending if i.pending & DATA),
                 "deletes": len(self.meta.tombstones()),
-                "uploading": len(self._active)}
+                "uploading": len(self._active),
+                "oldest_age": round(max(0.0, time.time() - oldest), 3) if oldest else 0.0}
 
     def _blocked_tombstones(self, tombs: dict[str, int]) -> set[str]:
         """Deletes that wait for a handle to close (and markers above them)."""

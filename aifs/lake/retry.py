@@ -20,6 +20,7 @@ class RetryPolicy:
         self.attempts = attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
+        self.retries = 0  # attempts made again, for the metrics
 
     def delay(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
@@ -33,6 +34,7 @@ class RetryPolicy:
                 if not exc.transient or attempt + 1 >= self.attempts:
                     raise
                 pause = self.delay(attempt)
+                self.retries += 1
                 log.warning("%s failed (%s); retry %d/%d in %.2fs",
                             what, exc, attempt + 1, self.attempts - 1, pause)
                 await trio.sleep(pause)

@@ -55,6 +55,7 @@ class FetchStats:
     lake_gets: int = 0
     lake_bytes: int = 0
     errors: int = 0
+    misses: int = 0  # reads that waited for the lake (a fetch of theirs or a prefetch)
 
 
 class BlockFetcher:
@@ -82,6 +83,11 @@ class BlockFetcher:
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
 
+    @property
+    def memory_used(self) -> int:
+        """Bytes of blocks kept in memory."""
+        return self._memory_used
+
     def blocks_of(self, version: ObjectVersion) -> int:
         return (version.size + self.block_size - 1) // self.block_size
 
@@ -99,6 +105,7 @@ class BlockFetcher:
             if fd is not None:
                 self.stats.disk_hits += 1
                 return await read_at(fd, lo, hi - lo, self._disk_limiter)
+        self.stats.misses += 1
         return memoryview(await self.block(version, index))[lo:hi]
 
     def _block_fd(self, version: ObjectVersion, index: int,

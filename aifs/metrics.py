@@ -1,0 +1,273 @@
+"""Live figures of a running mount: one snapshot for ``aifs status`` (read
+through the root's ``user.aifs.metrics`` xattr) and, in Prometheus' text
+format, for an optional HTTP endpoint bound to 127.0.0.1.
+
+The figures are counters the layers keep anyway (the fetcher's hits and
+misses, the promoter's uploads, the lake wrapper's requests); this module only
+gathers them, samples byte totals once a second for throughput, and renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from aifs import __version__
+from aifs.lake.counting import OPERATIONS, CountingStore
+
+if TYPE_CHECKING:
+    from aifs.core import Filesystem
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW = 10.0  # seconds of history behind the throughput figures
+SAMPLE_EVERY = 1.0
+TIERS = ("memory", "blocks", "files")
+
+
+class Metrics:
+    def __init__(self, fs: Filesystem) -> None:
+        self.fs = fs
+        self.store = fs.store if isinstance(fs.store, CountingStore) else None
+        self.started = time.time()
+        self.url = ""  # of the HTTP endpoint, once it serves
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+
+    # -- throughput ------------------------------------------------------
+    def _totals(self) -> dict[str, int]:
+        fs, store = self.fs, self.store
+        return {"read_bytes": fs.read_bytes, "write_bytes": fs.write_bytes,
+                "lake_read_bytes": store.bytes_read if store else fs.fetcher.stats.lake_bytes,
+                "lake_written_bytes": (store.bytes_written if store
+                                       else fs.promoter.stats.upload_bytes)}
+
+    def sample(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, self._totals()))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW:
+            self._samples.popleft()
+
+    async def run(self) -> None:
+        """Sample byte totals once a second (for the throughput figures)."""
+        while True:
+            self.sample()
+            await trio.sleep(SAMPLE_EVERY)
+
+    def rates(self) -> dict[str, float]:
+        """Bytes per second over the last ``RATE_WINDOW`` seconds."""
+        now = time.monotonic()
+        current = self._totals()
+        if not self._samples or now - self._samples[0][0] <= 0:
+            return {f"{name}_per_s": 0.0 for name in current}
+        then, old = self._samples[0]
+        return {f"{name}_per_s": round((value - old[name]) / (now - then), 1)
+                for name, value in current.items()}
+
+    # -- the snapshot ----------------------------------------------------
+    def _bytes_by_policy(self) -> dict[str, int]:
+        fs = self.fs
+        by_policy: Counter[str] = Counter(
+            {p: n for p, n in fs.cache.by_policy.items() if n > 0})
+        for ino, size in fs.local.sizes().items():
+            inode = fs.meta.get(ino)
+            policy = fs.checkpoints.policy_of(inode) if inode is not None else "default"
+            by_policy[policy] += size
+        return dict(sorted(by_policy.items()))
+
+    def snapshot(self) -> dict[str, Any]:
+        fs = self.fs
+        fetched, promoted, store = fs.fetcher.stats, fs.promoter.stats, self.store
+        hits = {"memory": fetched.memory_hits, "disk": fetched.disk_hits,
+                "local": fs.local_reads}
+        served = sum(hits.values()) + fetched.misses
+        queue = fs.promoter.summary()
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "lake_url": fs.config.resolved_lake(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "metrics_url": self.url,
+            "cache": {
+                "capacity_bytes": fs.cache.capacity,
+                "bytes": {"memory": fs.fetcher.memory_used, "blocks": fs.cache.used,
+                          "files": fs.local.used},
+                "dirty_bytes": fs.local.dirty_bytes,
+                "by_policy": self._bytes_by_policy(),
+                "hits": hits,
+                "misses": fetched.misses,
+                "hit_ratio": round(sum(hits.values()) / served, 4) if served else 0.0,
+                "evictions": fs.cache.evictions + fs.local.evictions,
+            },
+            "promotion": {
+                "pending_files": queue["files"], "pending_bytes": queue["bytes"],
+                "pending_deletes": queue["deletes"], "uploading": queue["uploading"],
+                "oldest_age_s": queue["oldest_age"],
+                "uploads": promoted.uploads, "upload_bytes": promoted.upload_bytes,
+                "deletes": promoted.deletes, "metadata_updates": promoted.metadata_updates,
+                "failures": promoted.failures,
+            },
+            "lake": {
+                "requests": {op: store.requests[op] for op in OPERATIONS} if store else {},
+                "errors": {op: store.errors[op] for op in OPERATIONS} if store else {},
+                "request_seconds": ({op: round(store.seconds[op], 3) for op in OPERATIONS}
+                                    if store else {}),
+                "retries": store.retries if store else 0,
+                "read_bytes": store.bytes_read if store else fetched.lake_bytes,
+                "written_bytes": store.bytes_written if store else promoted.upload_bytes,
+            },
+            "fs": {
+                "read_requests": fs.read_requests, "read_bytes": fs.read_bytes,
+                "write_requests": fs.write_requests, "write_bytes": fs.write_bytes,
+                "open_files": len(fs.files),
+            },
+            "throughput": self.rates(),
+        }
+
+
+# -- Prometheus text format ---------------------------------------------------
+# (name, type, help, how to get the value(s) from a snapshot)
+Getter = Callable[[dict[str, Any]], "float | dict[str, float]"]
+_FAMILIES: list[tuple[str, str, str, str, Getter]] = [
+    ("aifs_uptime_seconds", "gauge", "Seconds since the mount started.", "",
+     lambda s: s["uptime_s"]),
+    ("aifs_cache_capacity_bytes", "gauge", "Capacity of the local cache.", "",
+     lambda s: s["cache"]["capacity_bytes"]),
+    ("aifs_cache_bytes", "gauge", "Bytes cached, by tier (memory, blocks of lake "
+     "objects, whole local files).", "tier", lambda s: s["cache"]["bytes"]),
+    ("aifs_cache_dirty_bytes", "gauge", "Bytes of local files not yet in the lake.", "",
+     lambda s: s["cache"]["dirty_bytes"]),
+    ("aifs_cache_policy_bytes", "gauge", "Bytes cached on the local disk, by policy.",
+     "policy", lambda s: s["cache"]["by_policy"]),
+    ("aifs_cache_hits_total", "counter", "Reads answered without waiting for the lake, "
+     "by where they were found.", "tier", lambda s: s["cache"]["hits"]),
+    ("aifs_cache_misses_total", "counter", "Reads that waited for the lake.", "",
+     lambda s: s["cache"]["misses"]),
+    ("aifs_cache_hit_ratio", "gauge", "Hits over all reads that reached the daemon.", "",
+     lambda s: s["cache"]["hit_ratio"]),
+    ("aifs_cache_evictions_total", "counter", "Blocks and local files evicted.", "",
+     lambda s: s["cache"]["evictions"]),
+    ("aifs_promotion_pending_files", "gauge", "Files and directories with changes not "
+     "yet in the lake.", "", lambda s: s["promotion"]["pending_files"]),
+    ("aifs_promotion_pending_bytes", "gauge", "Bytes of file data not yet in the lake.",
+     "", lambda s: s["promotion"]["pending_bytes"]),
+    ("aifs_promotion_pending_deletes", "gauge", "Deletes not yet made in the lake.", "",
+     lambda s: s["promotion"]["pending_deletes"]),
+    ("aifs_promotion_uploading", "gauge", "Promotions running now.", "",
+     lambda s: s["promotion"]["uploading"]),
+    ("aifs_promotion_oldest_age_seconds", "gauge", "Age of the oldest change not yet in "
+     "the lake.", "", lambda s: s["promotion"]["oldest_age_s"]),
+    ("aifs_promotion_uploads_total", "counter", "Files uploaded to the lake.", "",
+     lambda s: s["promotion"]["uploads"]),
+    ("aifs_promotion_upload_bytes_total", "counter", "Bytes of files uploaded.", "",
+     lambda s: s["promotion"]["upload_bytes"]),
+    ("aifs_promotion_deletes_total", "counter", "Keys deleted from the lake.", "",
+     lambda s: s["promotion"]["deletes"]),
+    ("aifs_promotion_failures_total", "counter", "Promotions that failed (retried later).",
+     "", lambda s: s["promotion"]["failures"]),
+    ("aifs_lake_requests_total", "counter", "Lake requests, by S3 operation (retries not "
+     "included).", "op", lambda s: s["lake"]["requests"]),
+    ("aifs_lake_errors_total", "counter", "Lake requests that failed after their retries, "
+     "by S3 operation.", "op", lambda s: s["lake"]["errors"]),
+    ("aifs_lake_request_seconds_total", "counter", "Seconds spent waiting for the lake, "
+     "by S3 operation.", "op", lambda s: s["lake"]["request_seconds"]),
+    ("aifs_lake_retries_total", "counter", "Lake requests made again after a transient "
+     "failure.", "", lambda s: s["lake"]["retries"]),
+    ("aifs_lake_read_bytes_total", "counter", "Bytes read from the lake.", "",
+     lambda s: s["lake"]["read_bytes"]),
+    ("aifs_lake_written_bytes_total", "counter", "Bytes written to the lake.", "",
+     lambda s: s["lake"]["written_bytes"]),
+    ("aifs_fs_read_requests_total", "counter", "Read requests from the kernel.", "",
+     lambda s: s["fs"]["read_requests"]),
+    ("aifs_fs_read_bytes_total", "counter", "Bytes read through the mount.", "",
+     lambda s: s["fs"]["read_bytes"]),
+    ("aifs_fs_write_requests_total", "counter", "Write requests from the kernel.", "",
+     lambda s: s["fs"]["write_requests"]),
+    ("aifs_fs_write_bytes_total", "counter", "Bytes written through the mount.", "",
+     lambda s: s["fs"]["write_bytes"]),
+    ("aifs_fs_open_files", "gauge", "Files open through the mount.", "",
+     lambda s: s["fs"]["open_files"]),
+]
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def prometheus_lines(snapshot: dict[str, Any]) -> Iterator[str]:
+    version, lake = _label(snapshot["version"]), _label(snapshot["lake_url"])
+    yield "# HELP aifs_info The aifs version and the lake of this mount."
+    yield "# TYPE aifs_info gauge"
+    yield f'aifs_info{{version="{version}",lake="{lake}"}} 1'
+    for name, kind, text, label, get in _FAMILIES:
+        yield f"# HELP {name} {text}"
+        yield f"# TYPE {name} {kind}"
+        value = get(snapshot)
+        if isinstance(value, dict):
+            for key, number in value.items():
+                yield f'{name}{{{label}="{_label(str(key))}"}} {number}'
+        else:
+            yield f"{name} {value}"
+
+
+def prometheus_text(snapshot: dict[str, Any]) -> str:
+    return "\n".join(prometheus_lines(snapshot)) + "\n"
+
+
+# -- the HTTP endpoint --------------------------------------------------------
+MAX_REQUEST = 8192
+
+
+async def serve_http(address: str, port: int, metrics: Metrics,
+                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Answer ``GET /metrics`` (Prometheus) and ``GET /metrics.json`` on
+    ``address:port``; report the bound port (0 picks a free one)."""
+    import json
+
+    async def answer(stream: trio.SocketStream) -> None:
+        try:
+            request = b""
+            with trio.move_on_after(5):
+                while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST:
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        break
+                    request += chunk
+            parts = request.split(b"\r\n", 1)[0].split()
+            path = parts[1].decode(errors="replace").split("?", 1)[0] if len(parts) > 1 else ""
+            if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+                status, kind, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path == "/metrics":
+                status, kind = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
+                body = prometheus_text(metrics.snapshot()).encode()
+            elif path == "/metrics.json":
+                status, kind = "200 OK", "application/json"
+                body = json.dumps(metrics.snapshot(), indent=1).encode()
+            else:
+                status, kind, body = "404 Not Found", "text/plain", b"try /metrics\n"
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            await stream.send_all(head + (body if parts[:1] != [b"HEAD"] else b""))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            await stream.aclose()
+
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=address)
+    except OSError as exc:
+        log.error("metrics endpoint %s:%d: %s; serving without it", address, port,
+                  exc.strerror)
+        task_status.started(0)
+        return
+    bound = listeners[0].socket.getsockname()[1]
+    host = f"[{address}]" if ":" in address else address
+    metrics.url = f"http://{host}:{bound}/metrics"
+    log.info("metrics on %s", metrics.url)
+    task_status.started(bound)
+    await trio.serve_listeners(answer, listeners)
