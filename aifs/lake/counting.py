@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from aifs.errors import LakeError, ObjectNotFound
@@ -101,6 +101,26 @@ class CountingStore(ObjectStore):
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
         return await self._count("ListObjectsV2", lambda: self.inner.list_page(
             prefix, delimiter, token, max_keys))
+
+    async def iter_list(self, prefix: str,
+                        delimiter: str | None = "/") -> AsyncIterator[ListPage]:
+        """The inner store's own paging (the local lake scans a directory once
+        for all its pages), each page counted as one LIST."""
+        pages = self.inner.iter_list(prefix, delimiter)
+        while True:
+            self.requests["ListObjectsV2"] += 1
+            started = time.monotonic()
+            try:
+                page = await pages.__anext__()
+            except StopAsyncIteration:
+                self.requests["ListObjectsV2"] -= 1  # the end, not a request
+                return
+            except LakeError:
+                self.errors["ListObjectsV2"] += 1
+                raise
+            finally:
+                self.seconds["ListObjectsV2"] += time.monotonic() - started
+            yield page
 
     async def delete_many(self, keys: list[str]) -> None:
         await self._count("DeleteObjects", lambda: self.inner.delete_many(keys))

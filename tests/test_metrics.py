@@ -1,0 +1,62 @@
+"""The figures behind ``aifs status`` and /metrics, without a mount: the lake
+wrapper counts what was asked of the lake, the renderer writes valid
+Prometheus text."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from aifs.errors import ObjectNotFound
+from aifs.lake.counting import CountingStore
+from aifs.lake.local import LocalStore
+from aifs.metrics import prometheus_text
+
+
+@pytest.mark.trio
+async def test_counting_store_counts_requests_bytes_and_pages(tmp_path):
+    store = CountingStore(LocalStore(str(tmp_path)))
+    await store.put("a/x", b"12345")
+    assert await store.get_range("a/x", 1, 3) == b"234"
+    with pytest.raises(ObjectNotFound):
+        await store.head("a/missing")
+    for i in range(2500):
+        (tmp_path / "a" / f"f{i:05d}").write_bytes(b"")
+    pages = [page async for page in store.iter_list("a/")]
+    assert store.requests["PutObject"] == 1 and store.requests["GetObject"] == 1
+    assert store.requests["HeadObject"] == 1
+    assert store.errors["HeadObject"] == 0  # "not found" is an answer, not a failure
+    assert store.requests["ListObjectsV2"] == len(pages) == 3  # 1000 keys a page
+    assert store.bytes_written == 5 and store.bytes_read == 3
+
+
+def test_prometheus_text_is_well_formed():
+    snapshot = {
+        "version": "0.1.0", "lake_url": 's3://b/"odd"', "uptime_s": 3.0,
+        "cache": {"capacity_bytes": 100, "bytes": {"memory": 1, "blocks": 2, "files": 3},
+                  "dirty_bytes": 0, "by_policy": {"dataset": 2}, "by_class": {"pinned": 0},
+                  "hits": {"memory": 1, "disk": 2, "local": 0}, "misses": 1,
+                  "hit_ratio": 0.75, "evictions": 0, "refused": 0},
+        "promotion": {"pending_files": 0, "pending_bytes": 0, "pending_deletes": 0,
+                      "uploading": 0, "oldest_age_s": 0.0, "uploads": 1, "upload_bytes": 9,
+                      "deletes": 0, "metadata_updates": 0, "failures": 0},
+        "lake": {"requests": {"GetObject": 4}, "errors": {"GetObject": 0},
+                 "request_seconds": {"GetObject": 0.5}, "retries": 0, "read_bytes": 4,
+                 "written_bytes": 9},
+        "fs": {"read_requests": 1, "read_bytes": 4, "write_requests": 1, "write_bytes": 9,
+               "open_files": 0},
+    }
+    text = prometheus_text(snapshot)
+    families = re.findall(r"^# TYPE (\S+) (counter|gauge)$", text, re.M)
+    assert len(families) == len({name for name, _ in families}) > 20
+    for name, kind in families:
+        assert f"# HELP {name} " in text
+        if kind == "counter":
+            assert name.endswith("_total"), name
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    for line in samples:
+        assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="(?:[^"\\]|\\.)*"(,[a-z_]+="(?:[^"\\]|\\.)*")*\})? '
+                            r"[0-9.e+-]+", line), line
+    assert 'aifs_lake_requests_total{op="GetObject"} 4' in samples
+    assert 'lake="s3://b/\\"odd\\""' in text
