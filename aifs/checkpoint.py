@@ -69,6 +69,7 @@ class Checkpoints:
         self._waiting_since: dict[int, float] = {}  # marker ino -> first refusal
         self.policies: Policies = config.policies()
         self._policy_cache: dict[int, str] = {}
+        self._pin_cache: dict[int, bool] = {}
         # retention: checkpoint root -> its units, oldest first -> inos cached
         self._units: dict[str, OrderedDict[str, set[int]]] = {}
 
@@ -98,9 +99,29 @@ class Checkpoints:
         self._policy_cache[inode.ino] = policy
         return policy
 
+    def is_pinned(self, inode: Inode) -> bool:
+        """Whether the inode or a directory above it is pinned (``aifs pin``)."""
+        cached = self._pin_cache.get(inode.ino)
+        if cached is not None:
+            return cached
+        pinned = False
+        current: Inode | None = inode
+        for _ in range(4096):
+            if current is None or current.pinned:
+                pinned = current is not None
+                break
+            if current.ino == ROOT_INO:
+                break
+            current = self.meta.get(current.parent)
+        if len(self._pin_cache) > 100_000:
+            self._pin_cache.clear()
+        self._pin_cache[inode.ino] = pinned
+        return pinned
+
     def forget_policies(self) -> None:
-        """A rename or a policy xattr changed: policies are looked up again."""
+        """A rename, a policy xattr or a pin changed: they are looked up again."""
         self._policy_cache.clear()
+        self._pin_cache.clear()
 
     def is_checkpoint(self, inode: Inode) -> bool:
         return self.policy_of(inode) == CHECKPOINT

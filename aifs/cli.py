@@ -85,6 +85,21 @@ def _parser() -> argparse.ArgumentParser:
                             "(local, promoting, in the lake)")
     status.add_argument("paths", nargs="*", default=["."], metavar="PATH")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    warmup = sub.add_parser("warmup", help="fetch files or trees into the local cache "
+                            "(a second run resumes where one stopped)")
+    warmup.add_argument("paths", nargs="+", metavar="PATH")
+    warmup.add_argument("--jobs", "-j", type=int, default=16, help="files fetched at once")
+    warmup.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+
+    pin = sub.add_parser("pin", help="keep files or trees in the local cache (node-local); "
+                         "fetches them unless --no-warmup")
+    pin.add_argument("paths", nargs="+", metavar="PATH")
+    pin.add_argument("--no-warmup", action="store_true")
+    pin.add_argument("--jobs", "-j", type=int, default=16)
+    pin.add_argument("--quiet", "-q", action="store_true")
+
+    unpin = sub.add_parser("unpin", help="let pinned files be evicted again")
+    unpin.add_argument("paths", nargs="+", metavar="PATH")
     return parser
 
 
@@ -301,10 +316,12 @@ def status_lines(root: str, m: dict) -> list[str]:
         f"(blocks {_size(tiers['blocks'])}, files {_size(tiers['files'])}, "
         f"{_size(cache['dirty_bytes'])} of them not in the lake); "
         f"memory {_size(tiers['memory'])}",
-        f"policies   {policies}",
+        f"policies   {policies}; pinned {_size(cache['by_class']['pinned'])}, "
+        f"dataset subset {_size(cache['by_class']['dataset'])}",
         f"reads      hit ratio {cache['hit_ratio']:.2f} (memory {cache['hits']['memory']}, "
         f"disk {cache['hits']['disk']}, local files {cache['hits']['local']}; "
-        f"{cache['misses']} misses); {cache['evictions']} evictions",
+        f"{cache['misses']} misses); {cache['evictions']} evictions, "
+        f"{cache['refused']} blocks not admitted",
         f"promotion  {promo['pending_files']} files ({_size(promo['pending_bytes'])}) and "
         f"{promo['pending_deletes']} deletes pending, oldest "
         f"{_duration(promo['oldest_age_s'])}; {promo['uploading']} uploading; "
@@ -318,6 +335,84 @@ def status_lines(root: str, m: dict) -> list[str]:
         f"{_size(rate['lake_read_bytes_per_s'])}/s, out "
         f"{_size(rate['lake_written_bytes_per_s'])}/s (last 10s)",
     ]
+
+
+def _files_under(paths: list[str]) -> list[tuple[str, int]]:
+    """(path, size) of every regular file named or below a named directory."""
+    import stat
+
+    out = []
+    for path in paths:
+        _mount_root(path)
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            out.append((path, st.st_size))
+            continue
+        for top, _dirs, names in os.walk(path):
+            for name in names:
+                full = os.path.join(top, name)
+                st = os.lstat(full)
+                if stat.S_ISREG(st.st_mode):
+                    out.append((full, st.st_size))
+    return out
+
+
+def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:
+    """Fetch every file under ``paths`` into the cache disk, with progress."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    files = _files_under(paths)
+    total = sum(size for _, size in files)
+    done = fetched = refused = 0
+    done_bytes = 0
+    errors: list[str] = []
+    started = last = time.monotonic()
+
+    def one(path: str) -> dict[str, int]:
+        return json.loads(os.getxattr(path, "user.aifs.warmup"))
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = {pool.submit(one, path): (path, size) for path, size in files}
+        for future in as_completed(futures):
+            path, size = futures[future]
+            done += 1
+            done_bytes += size
+            try:
+                result = future.result()
+                fetched += result["fetched"]
+                refused += result["refused"]
+            except OSError as exc:
+                errors.append(f"{path}: {exc.strerror}")
+            now = time.monotonic()
+            if not quiet and (now - last >= 1 or done == len(files)):
+                last = now
+                rate = fetched / max(now - started, 1e-6)
+                print(f"\raifs warmup: {done}/{len(files)} files, {_size(done_bytes)} of "
+                      f"{_size(total)}, {_size(rate)}/s", end="", file=sys.stderr, flush=True)
+    elapsed = time.monotonic() - started
+    if not quiet:
+        print(file=sys.stderr)
+        print(f"aifs warmup: {len(files)} files ({_size(total)}) in {elapsed:.1f}s: "
+              f"{_size(fetched)} fetched from the lake, the rest was cached already "
+              f"({_size(fetched / max(elapsed, 1e-6))}/s)", file=sys.stderr)
+    if refused:
+        print(f"aifs warmup: the cache did not take {refused} blocks: it is full (or the "
+              "dataset share is); raise cache_size or warm less", file=sys.stderr)
+    for line in errors[:10]:
+        print(f"aifs warmup: {line}", file=sys.stderr)
+    if errors:
+        raise AifsError(f"{len(errors)} files could not be fetched (see the mount's log)")
+    return 0
+
+
+def _pin(paths: list[str], on: bool) -> None:
+    for path in paths:
+        _mount_root(path)
+        try:
+            os.setxattr(path, "user.aifs.pinned", b"1" if on else b"0")
+        except OSError as exc:
+            raise AifsError(f"{path}: {exc.strerror}") from None
 
 
 def process_alive(pid: int) -> bool:
@@ -341,11 +436,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "status":
             return _status(args)
+        if args.command == "warmup":
+            return _warmup(args.paths, args.jobs, args.quiet)
+        if args.command == "pin":
+            _pin(args.paths, True)
+            return 0 if args.no_warmup else _warmup(args.paths, args.jobs, args.quiet)
+        if args.command == "unpin":
+            _pin(args.paths, False)
+            return 0
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `aifs status | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 2
 
 

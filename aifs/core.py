@@ -53,7 +53,7 @@ from aifs.meta.store import (
     valid_name,
 )
 from aifs.metrics import Metrics
-from aifs.policy import POLICIES, POLICY_XATTR
+from aifs.policy import POLICIES, POLICY_XATTR, WEIGHTS
 from aifs.read.fetcher import BlockFetcher, read_at
 from aifs.read.readahead import Readahead
 
@@ -65,6 +65,8 @@ XATTR_PREFIX = b"user.aifs."
 SYNC_XATTR = b"user.aifs.sync"
 PENDING_XATTR = b"user.aifs.pending"
 METRICS_XATTR = b"user.aifs.metrics"
+WARMUP_XATTR = b"user.aifs.warmup"  # reading it fetches the file into the cache
+PINNED_XATTR = b"user.aifs.pinned"  # "1": kept in the cache (node-local)
 UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -698,14 +700,17 @@ class Filesystem:
         self._opens[ino] = self._opens.get(ino, 0) + 1
         if writable:
             self._writers[ino] = self._writers.get(ino, 0) + 1
-        self.files[fh] = OpenFile(ino, self._version(inode),
-                                  Readahead(self.block_size, self.config.readahead_max),
+        version = self._version(inode)
+        # Weights are read front to back, whole: start at the widest window.
+        first = self.config.readahead_max if version.policy == WEIGHTS else self.block_size
+        self.files[fh] = OpenFile(ino, version, Readahead(first, self.config.readahead_max),
                                   writable)
         return fh
 
     def _version(self, inode: Inode) -> ObjectVersion:
         """The lake version an inode's cached blocks belong to."""
-        return ObjectVersion(inode.key, inode.etag, inode.size, self.checkpoints.policy_of(inode))
+        return ObjectVersion(inode.key, inode.etag, inode.size, self.checkpoints.policy_of(inode),
+                             self.checkpoints.is_pinned(inode))
 
     def _file(self, fh: int) -> OpenFile:
         handle = self.files.get(fh)
@@ -1052,6 +1057,7 @@ class Filesystem:
         out[b"user.aifs.state"] = lambda: self.checkpoints.state(
             inode, self.promoter.progress, self._with_written).encode()
         out[POLICY_XATTR.encode()] = lambda: self.checkpoints.policy_of(inode).encode()
+        out[PINNED_XATTR] = lambda: b"1" if self.checkpoints.is_pinned(inode) else b"0"
         if ino == ROOT_INO:
             out[b"user.aifs.lake"] = self.config.resolved_lake().encode
             out[b"user.aifs.pid"] = str(os.getpid()).encode
@@ -1059,6 +1065,34 @@ class Filesystem:
             out[PENDING_XATTR] = lambda: json.dumps(self.promoter.summary()).encode()
             out[METRICS_XATTR] = lambda: json.dumps(self.metrics.snapshot()).encode()
         return out
+
+    # -- warmup and pins ----------------------------------------------------------
+    async def warm(self, ino: int) -> dict[str, int]:
+        """Fetch a file's blocks into the cache disk (``aifs warmup``): what was
+        fetched, what the cache holds now, and how many blocks it refused."""
+        inode = self._inode(ino)
+        if inode.is_dir or inode.kind == LINK:
+            raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
+        if self.local.has(ino) or not inode.in_lake or inode.etag == MAYBE_IN_LAKE:
+            return {"fetched": 0, "cached": inode.size, "refused": 0}
+        version = self._version(inode)
+        self.cache.reclass(version)
+        try:
+            fetched, refused = await self.fetcher.warm(version)
+        except LakeError as exc:
+            log.warning("warmup of %s failed: %s", inode.key, exc)
+            raise FsError(errno.EIO) from None
+        return {"fetched": fetched, "cached": self.cache.cached_bytes(version),
+                "refused": refused}
+
+    def pin(self, ino: int, on: bool) -> None:
+        """Pin (or unpin) a file or a tree: its cached blocks are never evicted.
+        Node-local: kept in LMDB, not in the lake. ``aifs pin`` then warms it."""
+        self.meta.update(ino, pinned=on)
+        self.checkpoints.forget_policies()
+        for inode in self.meta.subtree_files(ino):
+            if inode.etag:
+                self.cache.reclass(self._version(inode))
 
     def _cached_bytes(self, inode: Inode) -> int:
         cached = self.cache.cached_bytes(ObjectVersion(inode.key, inode.etag, inode.size))
@@ -1083,6 +1117,8 @@ class Filesystem:
         if name == SYNC_XATTR:
             await self.sync(ino)
             return b"synced"
+        if name == WARMUP_XATTR:
+            return json.dumps(await self.warm(ino)).encode()
         value = self.xattrs(ino).get(name)
         if value is None:
             raise FsError(errno.ENODATA)
@@ -1094,6 +1130,12 @@ class Filesystem:
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         if name == UNMOUNT_FLUSH_XATTR and ino == ROOT_INO:
             self.flush_on_unmount = value.strip().lower() not in (b"0", b"false", b"no")
+            return
+        if name == PINNED_XATTR:
+            flag = value.strip().lower()
+            if flag not in (b"0", b"1"):
+                raise FsError(errno.EINVAL)
+            self.pin(ino, flag == b"1")
             return
         if name == POLICY_XATTR.encode():
             if value.decode(errors="replace").strip() not in POLICIES:
@@ -1111,6 +1153,9 @@ class Filesystem:
         self._set_xattrs(inode, xattrs)
 
     def removexattr(self, ino: int, name: bytes) -> None:
+        if name == PINNED_XATTR:
+            self.pin(ino, False)
+            return
         inode = self._inode(ino)
         if _name(name) not in inode.xattrs:
             raise FsError(errno.ENODATA)

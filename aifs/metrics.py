@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from aifs import __version__
+from aifs.cache.blocks import CLASSES
 from aifs.lake.counting import OPERATIONS, CountingStore
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class Metrics:
                           "files": fs.local.used},
                 "dirty_bytes": fs.local.dirty_bytes,
                 "by_policy": self._bytes_by_policy(),
+                "by_class": {c: max(0, fs.cache.by_class[c]) for c in CLASSES},
+                "refused": fs.cache.refused,
                 "hits": hits,
                 "misses": fetched.misses,
                 "hit_ratio": round(sum(hits.values()) / served, 4) if served else 0.0,
@@ -144,6 +147,11 @@ _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
      lambda s: s["cache"]["dirty_bytes"]),
     ("aifs_cache_policy_bytes", "gauge", "Bytes cached on the local disk, by policy.",
      "policy", lambda s: s["cache"]["by_policy"]),
+    ("aifs_cache_class_bytes", "gauge", "Bytes of cached blocks by class: regular (LRU), "
+     "dataset (a stable subset) and pinned (never evicted).", "class",
+     lambda s: s["cache"]["by_class"]),
+    ("aifs_cache_refused_total", "counter", "Blocks the cache did not admit (a full "
+     "dataset share keeps its subset instead).", "", lambda s: s["cache"]["refused"]),
     ("aifs_cache_hits_total", "counter", "Reads answered without waiting for the lake, "
      "by where they were found.", "tier", lambda s: s["cache"]["hits"]),
     ("aifs_cache_misses_total", "counter", "Reads that waited for the lake.", "",

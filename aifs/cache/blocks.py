@@ -5,7 +5,21 @@ changed object can never be answered from blocks of its old version: the old
 blocks simply stop being asked for and age out. Each block is one file,
 written to a temporary name and renamed, so a crash never leaves a torn
 block. Capacity is accounted in memory (rebuilt by a scan at start, oldest
-access first) and enforced by LRU eviction.
+access first).
+
+Blocks live in one of three classes, each in its own LRU order:
+
+- *regular* blocks (default, weights and checkpoint policies) are evicted
+  first, oldest first;
+- *dataset* blocks are admitted while there is room or regular blocks to
+  evict, and are never evicted to admit other dataset blocks: a training
+  job that reads a dataset larger than the cache in a fresh random order each
+  epoch keeps a stable subset cached (hit ratio about cache ÷ dataset) where
+  LRU would evict each sample just before its next use;
+- *pinned* blocks (``aifs pin``) are never evicted.
+
+An object's class and policy are kept as xattrs on its block directory, so a
+remount finds the same classes (the warm cache and its admission state).
 
 All methods are blocking disk I/O: call them from a worker thread.
 """
@@ -24,9 +38,13 @@ from pathlib import Path
 
 import xxhash
 
-from aifs.policy import POLICY_XATTR
+from aifs.policy import DATASET, POLICY_XATTR
 
 log = logging.getLogger(__name__)
+
+PINNED_XATTR = "user.aifs.pinned"
+REGULAR, DATASET_CLASS, PINNED = "regular", "dataset", "pinned"
+CLASSES = (REGULAR, DATASET_CLASS, PINNED)
 
 
 @dataclass(frozen=True)
@@ -36,13 +54,21 @@ class ObjectVersion:
     key: str
     etag: str
     size: int
-    #: the file's policy when its blocks were cached (for figures per policy)
+    #: the file's policy when its blocks are cached (admission, figures per policy)
     policy: str = field(default="default", compare=False)
+    #: kept whatever the pressure (``aifs pin``)
+    pinned: bool = field(default=False, compare=False)
 
     @functools.cached_property
     def ident(self) -> str:
         return xxhash.xxh3_128_hexdigest(f"{self.key}\0{self.etag}".encode(
             "utf-8", "surrogateescape"))
+
+    @property
+    def block_class(self) -> str:
+        if self.pinned:
+            return PINNED
+        return DATASET_CLASS if self.policy == DATASET else REGULAR
 
 
 class BlockCache:
@@ -53,12 +79,16 @@ class BlockCache:
         self.capacity = capacity
         self.others = others  # bytes of the same capacity used outside blocks
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # relative path -> bytes
-        self._per_object: dict[str, int] = {}  # ident -> bytes cached
+        # relative path -> bytes, per class, least recently used first
+        self._lru: dict[str, OrderedDict[str, int]] = {c: OrderedDict() for c in CLASSES}
+        self._class: dict[str, str] = {}  # ident -> its class
         self._policy: dict[str, str] = {}  # ident -> policy of its blocks
+        self._blocks: dict[str, dict[str, int]] = {}  # ident -> its blocks (rel -> bytes)
         self.by_policy: Counter[str] = Counter()  # bytes cached per policy
+        self.by_class: Counter[str] = Counter()  # bytes cached per class
         self.used = 0
         self.evictions = 0
+        self.refused = 0  # blocks not admitted (a full dataset share, or all pinned)
         self._scan()
 
     def _scan(self) -> None:
@@ -67,10 +97,16 @@ class BlockCache:
             if not shard.is_dir():
                 continue
             for obj in os.scandir(shard.path):
-                try:
-                    self._policy[obj.name] = os.getxattr(obj.path, POLICY_XATTR).decode()
-                except OSError:
-                    pass
+                for name, into, default in ((POLICY_XATTR, self._policy, "default"),
+                                            (PINNED_XATTR, self._class, "")):
+                    try:
+                        into[obj.name] = os.getxattr(obj.path, name).decode()
+                    except OSError:
+                        if default:
+                            into[obj.name] = default
+                if not self._class.get(obj.name):
+                    self._class[obj.name] = (DATASET_CLASS if self._policy[obj.name] == DATASET
+                                             else REGULAR)
                 for block in os.scandir(obj.path):
                     if block.name.startswith("tmp-"):
                         os.unlink(block.path)
@@ -81,14 +117,18 @@ class BlockCache:
         for _, rel, size in sorted(found):
             self._account(rel, size)
         if found:
-            log.info("block cache: %d blocks, %.1f MiB kept from before", len(found),
-                     self.used / 2**20)
+            log.info("block cache: %d blocks, %.1f MiB kept from before (%s)", len(found),
+                     self.used / 2**20, ", ".join(f"{c} {n / 2**20:.1f} MiB"
+                                                  for c, n in self.by_class.items() if n))
 
-    def _account(self, rel: str, size: int, reserved: bool = False) -> None:
-        self._lru[rel] = size
+    def _account(self, rel: str, size: int, reserved: bool = False,
+                 cls: str = REGULAR) -> None:
         ident = rel.split("/")[1]
-        self._per_object[ident] = self._per_object.get(ident, 0) + size
+        cls = self._class.setdefault(ident, cls)
+        self._lru[cls][rel] = size
+        self._blocks.setdefault(ident, {})[rel] = size
         self.by_policy[self._policy.get(ident, "default")] += size
+        self.by_class[cls] += size
         if not reserved:
             self.used += size
 
@@ -101,18 +141,29 @@ class BlockCache:
         """The block's file if it is cached (counts as a use); cheap, no I/O."""
         rel = self._rel(version, index)
         with self._lock:
-            if rel not in self._lru:
+            lru = self._lru[self._class.get(version.ident, REGULAR)]
+            if rel not in lru:
                 return None
-            self._lru.move_to_end(rel)
+            lru.move_to_end(rel)
         return self.root / rel
 
-    def store(self, version: ObjectVersion, index: int, data: bytes) -> None:
+    def has(self, version: ObjectVersion, index: int) -> bool:
+        """Whether the block is cached (not counted as a use)."""
+        with self._lock:
+            return self._rel(version, index) in self._blocks.get(version.ident, {})
+
+    def store(self, version: ObjectVersion, index: int, data: bytes) -> bool:
+        """Cache a block; False if it was not admitted (or could not be written)."""
         rel = self._rel(version, index)
         path = self.root / rel
         with self._lock:
-            if rel in self._lru:
-                return
-        self._reserve(len(data))
+            if rel in self._blocks.get(version.ident, {}):
+                return True
+            cls = self._class.get(version.ident) or version.block_class
+        if not self._reserve(len(data), cls):
+            with self._lock:
+                self.refused += 1
+            return False
         tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
         try:
             if not path.parent.is_dir():
@@ -127,62 +178,106 @@ class BlockCache:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self.used -= len(data)
-            return
+            return False
         with self._lock:
-            if rel in self._lru:  # stored twice at once: the space was reserved twice
+            if rel in self._blocks.get(version.ident, {}):  # stored twice at once
                 self.used -= len(data)
             else:
-                self._account(rel, len(data), reserved=True)
+                self._policy.setdefault(version.ident, version.policy)
+                self._account(rel, len(data), reserved=True, cls=cls)
+        return True
 
     def _label(self, directory: Path, version: ObjectVersion) -> None:
-        """Remember the policy of an object's blocks, across restarts too."""
-        with self._lock:
-            self._policy[version.ident] = version.policy
-        if version.policy != "default":
-            try:
+        """Remember the policy and class of an object's blocks across restarts."""
+        try:
+            if version.policy != "default":
                 os.setxattr(directory, POLICY_XATTR, version.policy.encode())
-            except OSError:
-                pass  # no user xattrs on the cache disk: counted as default after a restart
+            if version.pinned:
+                os.setxattr(directory, PINNED_XATTR, PINNED.encode())
+        except OSError:
+            pass  # no user xattrs on the cache disk: default and unpinned after a restart
 
-    def _reserve(self, incoming: int) -> None:
-        """Evict until ``incoming`` bytes fit, and count them as used at once, so
-        that blocks stored by several threads together cannot overshoot."""
+    def reclass(self, version: ObjectVersion) -> None:
+        """Move the cached blocks of ``version`` to the class its policy and pin
+        say now (after ``aifs pin``/``unpin`` or a policy change)."""
+        ident, cls = version.ident, version.block_class
+        with self._lock:
+            old = self._class.get(ident)
+            if old is None or old == cls:
+                return
+            self._class[ident] = cls
+            for rel, size in self._blocks.get(ident, {}).items():
+                self._lru[old].pop(rel, None)
+                self._lru[cls][rel] = size
+                self.by_class[old] -= size
+                self.by_class[cls] += size
+        directory = self.root / ident[:2] / ident
+        try:
+            if cls == PINNED:
+                os.setxattr(directory, PINNED_XATTR, PINNED.encode())
+            else:
+                os.removexattr(directory, PINNED_XATTR)
+        except OSError:
+            pass
+
+    def _victim(self, cls: str) -> str | None:
+        """The block to evict to admit one of class ``cls``: regular blocks
+        first; dataset blocks only for others; pinned ones never."""
+        order = (REGULAR,) if cls == DATASET_CLASS else (REGULAR, DATASET_CLASS)
+        for victim_class in order:
+            if self._lru[victim_class]:
+                return next(iter(self._lru[victim_class]))
+        return None
+
+    def _reserve(self, incoming: int, cls: str) -> bool:
+        """Evict until ``incoming`` bytes fit and count them as used at once (so
+        blocks stored by several threads together cannot overshoot); False if
+        they cannot fit without evicting what ``cls`` may not evict."""
         while True:
             with self._lock:
-                if self.used + incoming + self.others() <= self.capacity or not self._lru:
+                if self.used + incoming + self.others() <= self.capacity:
                     self.used += incoming
-                    return
-                rel, _ = next(iter(self._lru.items()))
+                    return True
+                rel = self._victim(cls)
+                if rel is None:
+                    if cls == REGULAR and not self.used:
+                        self.used += incoming  # the rest is held outside blocks
+                        return True
+                    return False
             self._forget(rel)
             self.evictions += 1
 
     def evict(self, wanted: int) -> int:
-        """Drop least recently used blocks until ``wanted`` bytes are freed."""
+        """Drop blocks until ``wanted`` bytes are freed: regular ones (least
+        recently used first), then dataset ones; never pinned ones."""
         freed = 0
         while freed < wanted:
             with self._lock:
-                if not self._lru:
+                rel = self._victim(REGULAR)
+                if rel is None:
                     break
-                rel, size = next(iter(self._lru.items()))
+                size = self._blocks[rel.split("/")[1]][rel]
             self._forget(rel)
             self.evictions += 1
             freed += size
         return freed
 
     def _forget(self, rel: str) -> None:
+        ident = rel.split("/")[1]
         with self._lock:
-            size = self._lru.pop(rel, None)
+            blocks = self._blocks.get(ident, {})
+            size = blocks.pop(rel, None)
             if size is None:
                 return
-            ident = rel.split("/")[1]
+            cls = self._class.get(ident, REGULAR)
+            self._lru[cls].pop(rel, None)
             self.used -= size
             self.by_policy[self._policy.get(ident, "default")] -= size
-            left = self._per_object.get(ident, 0) - size
-            if left > 0:
-                self._per_object[ident] = left
-            else:
-                self._per_object.pop(ident, None)
+            self.by_class[cls] -= size
+            if not blocks:
+                del self._blocks[ident]
                 self._policy.pop(ident, None)
+                self._class.pop(ident, None)
         try:
             os.unlink(self.root / rel)
             os.rmdir((self.root / rel).parent)
@@ -191,4 +286,4 @@ class BlockCache:
 
     def cached_bytes(self, version: ObjectVersion) -> int:
         with self._lock:
-            return self._per_object.get(version.ident, 0)
+            return sum(self._blocks.get(version.ident, {}).values())

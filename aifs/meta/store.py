@@ -98,6 +98,7 @@ class Inode:
     attrs_known: bool = False  # mode/owner/xattrs/kind read from the object (or local)
     pending: int = 0  # DATA | META
     target: str = ""  # symlink target
+    pinned: bool = False  # node-local: kept in the cache (aifs pin), inherited below a dir
     xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
 
     def encode(self) -> bytes:
@@ -212,6 +213,20 @@ class MetaStore:
                 if raw:
                     out.append((_U64.unpack(key[8:])[0], bytes(name), Inode.decode(raw)))
         return out
+
+    def subtree_files(self, ino: int) -> Iterator[Inode]:
+        """Every known non-directory inode at or below ``ino``."""
+        stack = [ino]
+        while stack:
+            current = stack.pop()
+            with self.env.begin() as txn:  # closed before yielding: callers may write
+                raw = txn.get(u64(current), db=self.inodes)
+                inode = Inode.decode(raw) if raw else None
+                if inode is not None and inode.is_dir:
+                    stack += [_U64.unpack(value[:8])[0]
+                              for _, value in self._children(current, txn)]
+            if inode is not None and not inode.is_dir:
+                yield inode
 
     def children_count(self, parent: int) -> int:
         return sum(1 for _ in self._children(parent))

@@ -43,9 +43,11 @@ async def read_at(fd: int, offset: int, length: int,
 
 @dataclass
 class _Flight:
-    done: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # data (or error) at hand
+    stored: trio.Event = field(default_factory=trio.Event)  # ... and on the cache disk
     data: bytes | None = None
     error: BaseException | None = None
+    admitted: bool = False  # the cache took the block
 
 
 @dataclass
@@ -198,8 +200,8 @@ class BlockFetcher:
             self._storing += len(data)
             try:
                 self.make_room(self._storing)  # blocks on their way to disk count too
-                await trio.to_thread.run_sync(self.cache.store, version, index, data,
-                                              limiter=self._disk_limiter)
+                flight.admitted = await trio.to_thread.run_sync(
+                    self.cache.store, version, index, data, limiter=self._disk_limiter)
             finally:
                 self._storing -= len(data)
         except Exception as exc:  # handed to every waiter
@@ -213,8 +215,36 @@ class BlockFetcher:
             if self._flights.get(slot) is flight:
                 del self._flights[slot]
             flight.done.set()
+            flight.stored.set()
             if prefetch:
                 self._prefetch_slots.release()
+
+    async def warm(self, version: ObjectVersion, parallel: int = 4) -> tuple[int, int]:
+        """Fetch every block of ``version`` that is not on the cache disk (``aifs
+        warmup``); return the bytes fetched and how many blocks the cache refused."""
+        fetched = refused = 0
+
+        async def one(index: int) -> None:
+            nonlocal fetched, refused
+            if self.cache.locate(version, index) is not None:
+                return
+            flight = self._flights.get((version.ident, index)) or self._launch(version, index)
+            await flight.stored.wait()
+            if flight.error is not None:
+                raise LakeError(f"warming {version.key}: {flight.error}")
+            fetched += len(flight.data or b"")
+            refused += not flight.admitted
+
+        slots = trio.Semaphore(parallel)
+
+        async def bounded(index: int) -> None:
+            async with slots:
+                await one(index)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(self.blocks_of(version)):
+                nursery.start_soon(bounded, index)
+        return fetched, refused
 
     def _remember(self, slot: tuple[str, int], data: bytes) -> None:
         if len(data) > self.memory_bytes:
