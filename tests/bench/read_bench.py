@@ -3,6 +3,7 @@ a remount, and warm; `stat` of 100,000 files. Every figure is measured in the
 same run as its baselines (local disk, page cache, boto3 range GETs).
 
     python tests/bench/read_bench.py --lake local|moto|ceph [--size 1G] [--files 100000]
+        [--name model.safetensors]
 
 Needs root (drops the page cache) and /dev/fuse. Unmounts and stops all it starts.
 """
@@ -71,6 +72,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lake", choices=["local", "moto", "ceph"], default="local")
     parser.add_argument("--size", default="1G")
+    parser.add_argument("--name", default="big.bin", help="the file's name (its policy: "
+                        "*.bin and *.safetensors are weights)")
     parser.add_argument("--files", type=int, default=100_000)
     parser.add_argument("--block-size", default="8M")
     parser.add_argument("--readahead-max", default="128M")
@@ -93,7 +96,7 @@ def main() -> int:
         if args.lake == "local":
             root = work / "lake"
             (root / "many").mkdir(parents=True)
-            shutil.copyfile(data_file, root / "big.bin")
+            shutil.copyfile(data_file, root / args.name)
             lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
         else:
             server = start_server(args.lake, work, server_proc)
@@ -103,7 +106,7 @@ def main() -> int:
                                  ["--endpoint-url", server.endpoint], server=server,
                                  bucket=bucket, prefix="b/")
             with open(data_file, "rb") as fp:
-                server.client.upload_fileobj(fp, bucket, "b/big.bin")
+                server.client.upload_fileobj(fp, bucket, f"b/{args.name}")
         mount_args = ["--block-size", args.block_size, "--readahead-max", args.readahead_max,
                       "--cache-size", str(4 * size), "--log-level", "warning"]
 
@@ -117,21 +120,21 @@ def main() -> int:
             if server:
                 drop_page_cache()
                 runs.setdefault("boto3_parallel_s", []).append(boto3_parallel(
-                    server, lake.bucket, "b/big.bin", size, block, parallel))
+                    server, lake.bucket, f"b/{args.name}", size, block, parallel))
                 runs.setdefault("boto3_stream_s", []).append(
-                    boto3_single_stream(server, lake.bucket, "b/big.bin"))
+                    boto3_single_stream(server, lake.bucket, f"b/{args.name}"))
             cache = work / f"cache-{rep}"
             mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
                 drop_page_cache()
-                runs.setdefault("aifs_cold_s", []).append(timed_read(mount.path / "big.bin"))
+                runs.setdefault("aifs_cold_s", []).append(timed_read(mount.path / args.name))
             finally:
                 mount.unmount()
             mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
                 drop_page_cache()
-                runs.setdefault("aifs_nvme_s", []).append(timed_read(mount.path / "big.bin"))
-                runs.setdefault("aifs_warm_s", []).append(timed_read(mount.path / "big.bin"))
+                runs.setdefault("aifs_nvme_s", []).append(timed_read(mount.path / args.name))
+                runs.setdefault("aifs_warm_s", []).append(timed_read(mount.path / args.name))
             finally:
                 mount.unmount()
             shutil.rmtree(cache)
@@ -196,7 +199,8 @@ def report(args: argparse.Namespace, size: int, r: dict[str, float]) -> None:
 
     def rate(key: str) -> str:
         return f"{mb / r[key]:8.0f} MB/s"
-    print(f"\n## read benchmark: lake={args.lake} size={args.size} block={args.block_size} "
+    print(f"\n## read benchmark: lake={args.lake} {args.name} size={args.size} "
+          f"block={args.block_size} "
           f"readahead-max={args.readahead_max}, median of {args.reps} interleaved runs\n")
     print("| measurement | throughput | ratio |")
     print("|---|---|---|")
