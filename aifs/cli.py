@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     warmup = sub.add_parser("warmup", help="fetch files or trees into the local cache "
                             "(a second run resumes where one stopped)")
     warmup.add_argument("paths", nargs="+", metavar="PATH")
-    warmup.add_argument("--jobs", "-j", type=int, default=16, help="files fetched at once")
+    warmup.add_argument("--jobs", "-j", type=int, default=16,
+                        help="PATHs warmed at once (a tree's files: 32 at once)")
     warmup.add_argument("--quiet", "-q", action="store_true", help="no progress output")
 
     pin = sub.add_parser("pin", help="keep files or trees in the local cache (node-local); "
@@ -337,72 +338,60 @@ def status_lines(root: str, m: dict) -> list[str]:
     ]
 
 
-def _files_under(paths: list[str]) -> list[tuple[str, int]]:
-    """(path, size) of every regular file named or below a named directory."""
-    import stat
-
-    out = []
-    for path in paths:
-        _mount_root(path)
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode):
-            out.append((path, st.st_size))
-            continue
-        for top, _dirs, names in os.walk(path):
-            for name in names:
-                full = os.path.join(top, name)
-                st = os.lstat(full)
-                if stat.S_ISREG(st.st_mode):
-                    out.append((full, st.st_size))
-    return out
-
-
 def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:
-    """Fetch every file under ``paths`` into the cache disk, with progress."""
+    """Fetch files, or whole trees, into the cache disk, with progress. A tree
+    is one request: the daemon walks it from the listings (no lookup, nor HEAD,
+    per file) and fetches 32 of its files at once; ``jobs`` PATHs go at once."""
     import json
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from concurrent.futures import ThreadPoolExecutor
 
-    files = _files_under(paths)
-    total = sum(size for _, size in files)
-    done = fetched = refused = 0
-    done_bytes = 0
+    roots = {path: _mount_root(path) for path in paths}
+    totals = {"files": 0, "fetched": 0, "cached": 0, "refused": 0, "errors": 0}
     errors: list[str] = []
-    started = last = time.monotonic()
 
-    def one(path: str) -> dict[str, int]:
-        return json.loads(os.getxattr(path, "user.aifs.warmup"))
+    def lake_bytes(root: str) -> int:
+        try:
+            metrics = json.loads(os.getxattr(root, "user.aifs.metrics"))
+            return int(metrics["lake"]["read_bytes"])
+        except (OSError, ValueError, KeyError):
+            return 0
 
+    def one(path: str) -> None:
+        try:
+            result = json.loads(os.getxattr(path, "user.aifs.warmup"))
+        except OSError as exc:
+            errors.append(f"{path}: {exc.strerror}")
+            return
+        for name in totals:
+            totals[name] += result.get(name, 0)
+
+    started = time.monotonic()
+    before = {root: lake_bytes(root) for root in set(roots.values())}
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        futures = {pool.submit(one, path): (path, size) for path, size in files}
-        for future in as_completed(futures):
-            path, size = futures[future]
-            done += 1
-            done_bytes += size
-            try:
-                result = future.result()
-                fetched += result["fetched"]
-                refused += result["refused"]
-            except OSError as exc:
-                errors.append(f"{path}: {exc.strerror}")
-            now = time.monotonic()
-            if not quiet and (now - last >= 1 or done == len(files)):
-                last = now
-                rate = fetched / max(now - started, 1e-6)
-                print(f"\raifs warmup: {done}/{len(files)} files, {_size(done_bytes)} of "
-                      f"{_size(total)}, {_size(rate)}/s", end="", file=sys.stderr, flush=True)
+        futures = [pool.submit(one, path) for path in paths]
+        while not all(f.done() for f in futures):
+            time.sleep(0.2)
+            if quiet:
+                continue
+            got = sum(lake_bytes(root) - n for root, n in before.items())
+            rate = got / max(time.monotonic() - started, 1e-6)
+            print(f"\raifs warmup: {_size(got)} fetched, {_size(rate)}/s", end="",
+                  file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
     if not quiet:
         print(file=sys.stderr)
-        print(f"aifs warmup: {len(files)} files ({_size(total)}) in {elapsed:.1f}s: "
-              f"{_size(fetched)} fetched from the lake, the rest was cached already "
-              f"({_size(fetched / max(elapsed, 1e-6))}/s)", file=sys.stderr)
-    if refused:
-        print(f"aifs warmup: the cache did not take {refused} blocks: it is full (or the "
-              "dataset share is); raise cache_size or warm less", file=sys.stderr)
+        print(f"aifs warmup: {totals['files']} files in {elapsed:.1f}s: "
+              f"{_size(totals['fetched'])} fetched from the lake "
+              f"({_size(totals['fetched'] / max(elapsed, 1e-6))}/s), "
+              f"{_size(totals['cached'])} cached now", file=sys.stderr)
+    if totals["refused"]:
+        print(f"aifs warmup: the cache did not take {totals['refused']} blocks: it is full "
+              "(or the dataset share is); raise cache_size or warm less", file=sys.stderr)
     for line in errors[:10]:
         print(f"aifs warmup: {line}", file=sys.stderr)
-    if errors:
-        raise AifsError(f"{len(errors)} files could not be fetched (see the mount's log)")
+    if errors or totals["errors"]:
+        raise AifsError(f"{len(errors) + totals['errors']} files could not be fetched "
+                        "(see the mount's log)")
     return 0
 
 

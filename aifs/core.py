@@ -1067,23 +1067,53 @@ class Filesystem:
         return out
 
     # -- warmup and pins ----------------------------------------------------------
-    async def warm(self, ino: int) -> dict[str, int]:
-        """Fetch a file's blocks into the cache disk (``aifs warmup``): what was
-        fetched, what the cache holds now, and how many blocks it refused."""
+    async def warm(self, ino: int, files_at_once: int = 32) -> dict[str, int]:
+        """Fetch a file's blocks, or every file's below a directory, into the
+        cache disk (``aifs warmup``); return the files, the bytes fetched and
+        cached, and how many blocks the cache refused. A tree is walked from
+        the listings, without a lookup (nor a HEAD) per file."""
+        totals = {"files": 0, "fetched": 0, "cached": 0, "refused": 0, "errors": 0}
         inode = self._inode(ino)
-        if inode.is_dir or inode.kind == LINK:
-            raise FsError(errno.EISDIR if inode.is_dir else errno.EINVAL)
-        if self.local.has(ino) or not inode.in_lake or inode.etag == MAYBE_IN_LAKE:
-            return {"fetched": 0, "cached": inode.size, "refused": 0}
+        if not inode.is_dir:
+            if not await self._warm_file(inode, totals):
+                raise FsError(errno.EIO)
+            return totals
+        slots = trio.Semaphore(files_at_once)
+
+        async def one(child: Inode) -> None:
+            async with slots:
+                await self._warm_file(child, totals)
+
+        async with trio.open_nursery() as nursery:
+            stack = [inode]
+            while stack:
+                directory = await self._ensure_listed(stack.pop())
+                for _, _, child in self.meta.readdir(directory.ino, 0, 1 << 62):
+                    if child.is_dir:
+                        stack.append(child)
+                    elif child.kind != LINK:
+                        await slots.acquire()  # bound the tasks waiting, not only running
+                        slots.release()
+                        nursery.start_soon(one, child)
+        return totals
+
+    async def _warm_file(self, inode: Inode, totals: dict[str, int]) -> bool:
+        totals["files"] += 1
+        if self.local.has(inode.ino) or not inode.in_lake or inode.etag == MAYBE_IN_LAKE:
+            totals["cached"] += inode.size
+            return True
         version = self._version(inode)
         self.cache.reclass(version)
         try:
             fetched, refused = await self.fetcher.warm(version)
         except LakeError as exc:
             log.warning("warmup of %s failed: %s", inode.key, exc)
-            raise FsError(errno.EIO) from None
-        return {"fetched": fetched, "cached": self.cache.cached_bytes(version),
-                "refused": refused}
+            totals["errors"] += 1
+            return False
+        totals["fetched"] += fetched
+        totals["refused"] += refused
+        totals["cached"] += self.cache.cached_bytes(version)
+        return True
 
     def pin(self, ino: int, on: bool) -> None:
         """Pin (or unpin) a file or a tree: its cached blocks are never evicted.

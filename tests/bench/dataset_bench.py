@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import conftest  # noqa: E402
 from common import bench_lake  # noqa: E402
-from read_bench import drop_page_cache  # noqa: E402
 
 MiB = 1 << 20
 
@@ -52,13 +51,22 @@ class Samples:
             return len(fp.read())
 
 
-def epoch(root: Path, count: int, workers: int, seed: int) -> float:
+def drop_page_cache() -> None:
+    """Drop file data (not dentries and inodes: a training node keeps those of its
+    dataset in RAM; it is the data that does not fit)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as fp:
+        fp.write("1\n")
+
+
+def epoch(root: Path, count: int, workers: int, seed: int, drop: bool = True) -> float:
     import torch
     from torch.utils.data import DataLoader
     loader = DataLoader(Samples(root, count), batch_size=64, shuffle=True,
                         num_workers=workers, generator=torch.Generator().manual_seed(seed),
                         persistent_workers=False)
-    drop_page_cache()
+    if drop:
+        drop_page_cache()
     start = time.perf_counter()
     total = sum(int(batch.sum()) for batch in loader)
     assert total > 0
@@ -77,6 +85,7 @@ def main() -> int:
     parser.add_argument("--max-sample", type=int, default=64 << 10, help="bytes (1 KiB..)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--warmup-only", action="store_true", help="measure warmup alone")
     parser.add_argument("--json", help="write results here too")
     args = parser.parse_args()
     rng = random.Random(3)
@@ -96,37 +105,41 @@ def main() -> int:
         else:
             lake.put_many({f"train/{p.name}": p.read_bytes() for p in local.iterdir()})
 
-        # 1. the local directory: the physical limit
-        r["local_epoch_s"] = [epoch(local, args.samples, args.workers, e)
-                              for e in range(args.epochs)]
+        base = ["--block-size", "1M", "--memory-cache", "1M", "--log-level", "warning"]
+        if not args.warmup_only:
+            # 1. the local directory: the physical limit
+            r["local_epoch_s"] = [epoch(local, args.samples, args.workers, e)
+                                  for e in range(args.epochs)]
+            r["local_page_cache_epoch_s"] = epoch(local, args.samples, args.workers, 9, drop=False)
 
-        base = ["--block-size", "1M", "--memory-cache", "16M", "--log-level", "warning"]
-        # 2. the mount with a cache that holds everything
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-all", work / "aifs.log",
-                               [*base, "--cache-size", str(2 * total + 64 * MiB)])
-        try:
-            r["aifs_full_cache_epoch_s"] = [epoch(mount.path / "train", args.samples,
-                                                  args.workers, e)
-                                            for e in range(args.epochs)]
-        finally:
-            mount.unmount()
-
-        # 3. a cache half the dataset: dataset policy against LRU
-        half = total // 2
-        for policy in ("dataset", "default"):
-            mount = conftest.Mount(lake, work / "mnt", work / f"cache-{policy}",
-                                   work / "aifs.log", [*base, "--cache-size", str(half)])
+            # 2. the mount with a cache that holds everything
+            mount = conftest.Mount(lake, work / "mnt", work / "cache-all", work / "aifs.log",
+                                   [*base, "--cache-size", str(2 * total + 64 * MiB)])
             try:
-                os.setxattr(mount.path / "train", "user.aifs.policy", policy.encode())
-                times, ratios = [], []
-                for e in range(args.epochs):
-                    before = lake_gets(mount.path)
-                    times.append(epoch(mount.path / "train", args.samples, args.workers, e))
-                    ratios.append(1 - (lake_gets(mount.path) - before) / args.samples)
-                r[f"{policy}_half_cache_epoch_s"] = times
-                r[f"{policy}_half_cache_hit_ratio"] = ratios
+                r["aifs_full_cache_epoch_s"] = [epoch(mount.path / "train", args.samples,
+                                                      args.workers, e)
+                                                for e in range(args.epochs)]
+                r["aifs_page_cache_epoch_s"] = epoch(mount.path / "train", args.samples,
+                                                     args.workers, 9, drop=False)
             finally:
                 mount.unmount()
+
+            # 3. a cache half the dataset: dataset policy against LRU
+            half = total // 2
+            for policy in ("dataset", "default"):
+                mount = conftest.Mount(lake, work / "mnt", work / f"cache-{policy}",
+                                       work / "aifs.log", [*base, "--cache-size", str(half)])
+                try:
+                    os.setxattr(mount.path / "train", "user.aifs.policy", policy.encode())
+                    times, ratios = [], []
+                    for e in range(args.epochs):
+                        before = lake_gets(mount.path)
+                        times.append(epoch(mount.path / "train", args.samples, args.workers, e))
+                        ratios.append(1 - (lake_gets(mount.path) - before) / args.samples)
+                    r[f"{policy}_half_cache_epoch_s"] = times
+                    r[f"{policy}_half_cache_hit_ratio"] = ratios
+                finally:
+                    mount.unmount()
 
         # 4. warmup into a fresh cache, against boto3 GETs of the same objects
         mount = conftest.Mount(lake, work / "mnt", work / "cache-warm", work / "aifs.log",
@@ -159,6 +172,14 @@ def main() -> int:
 
 
 def report(args: argparse.Namespace, r: dict) -> None:
+    if args.warmup_only:
+        mb = r["dataset_bytes"] / 1e6
+        line = (f"\n| aifs warmup, fresh cache, {args.samples} files | {r['warmup_s']:.2f} s | "
+                f"{args.samples / r['warmup_s']:.0f} files/s | {mb / r['warmup_s']:.0f} MB/s")
+        if "boto3_get_all_s" in r:
+            line += f"; {r['boto3_get_all_s'] / r['warmup_s']:.2f} x boto3 GETs (32 threads)"
+        print(line + " |")
+        return
     def later(key: str) -> float:
         return statistics.median(r[key][1:]) if len(r[key]) > 1 else r[key][0]
 
@@ -166,8 +187,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
     mb = r["dataset_bytes"] / 1e6
     print(f"\n## dataset benchmark: lake={args.lake}, {args.samples} samples of 1 KiB.."
           f"{args.max_sample >> 10} KiB ({mb:.0f} MB), {args.workers} DataLoader workers, "
-          f"shuffle, page cache dropped before each epoch; epochs 2..{args.epochs} "
-          "(median)\n")
+          f"shuffle, file data dropped from the page cache before each epoch unless "
+          f"said; epochs 2..{args.epochs} (median)\n")
     print("| measurement | epoch time | samples/s | ratio |")
     print("|---|---|---|---|")
     print(f"| local directory | {local:.2f} s | {args.samples / local:.0f} | 1.00 |")
@@ -176,6 +197,11 @@ def report(args: argparse.Namespace, r: dict) -> None:
           f"{full / local:.2f} x local (<= 1.5) |")
     print(f"| aifs, first (cold) epoch | {r['aifs_full_cache_epoch_s'][0]:.2f} s | "
           f"{args.samples / r['aifs_full_cache_epoch_s'][0]:.0f} | |")
+    pc_local, pc_aifs = r["local_page_cache_epoch_s"], r["aifs_page_cache_epoch_s"]
+    print(f"| local directory, page cache kept | {pc_local:.2f} s | "
+          f"{args.samples / pc_local:.0f} | 1.00 |")
+    print(f"| aifs, page cache kept | {pc_aifs:.2f} s | {args.samples / pc_aifs:.0f} | "
+          f"{pc_aifs / pc_local:.2f} x local |")
     for policy, name in (("dataset", "dataset policy"), ("default", "LRU")):
         t = later(f"{policy}_half_cache_epoch_s")
         ratios = r[f"{policy}_half_cache_hit_ratio"]
