@@ -31,6 +31,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from aifs.cache.files import EVICT_FIRST, EVICT_LAST, LocalFiles
 from aifs.config import Config
@@ -38,6 +39,7 @@ from aifs.meta.store import DATA, ROOT_INO, Inode, MetaStore
 from aifs.policy import CHECKPOINT, POLICIES, POLICY_XATTR, Policies
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Markers up to this size are kept, version by version, so that while saves
 #: come faster than the lake takes them, the lake's marker still advances to
@@ -77,46 +79,36 @@ class Checkpoints:
     def policy_of(self, inode: Inode) -> str:
         """The xattr ``user.aifs.policy`` of the inode or its nearest directory
         that has one, else the first matching rule."""
-        cached = self._policy_cache.get(inode.ino)
+        return self._inherited(inode, self._policy_cache, _own_policy,
+                               lambda: self.policies.by_rules(path_of(inode)))
+
+    def is_pinned(self, inode: Inode) -> bool:
+        """Whether the inode or a directory above it is pinned (``aifs pin``)."""
+        return self._inherited(inode, self._pin_cache, lambda i: True if i.pinned else None,
+                               lambda: False)
+
+    def _inherited(self, inode: Inode, cache: dict[int, T], own: Callable[[Inode], T | None],
+                   otherwise: Callable[[], T]) -> T:
+        """The value set on ``inode`` or its nearest directory (``own``), else
+        ``otherwise()``; remembered per inode until :meth:`forget_policies`."""
+        cached = cache.get(inode.ino)
         if cached is not None:
             return cached
-        policy = None
+        value = None
         current: Inode | None = inode
         for _ in range(4096):
             if current is None:
                 break
-            value = current.xattrs.get(POLICY_XATTR)
-            if value is not None:
-                policy = _decode_policy(value)
-                if policy:
-                    break
-            if current.ino == ROOT_INO:
+            value = own(current)
+            if value is not None or current.ino == ROOT_INO:
                 break
             current = self.meta.get(current.parent)
-        policy = policy or self.policies.by_rules(path_of(inode))
-        if len(self._policy_cache) > 100_000:
-            self._policy_cache.clear()
-        self._policy_cache[inode.ino] = policy
-        return policy
-
-    def is_pinned(self, inode: Inode) -> bool:
-        """Whether the inode or a directory above it is pinned (``aifs pin``)."""
-        cached = self._pin_cache.get(inode.ino)
-        if cached is not None:
-            return cached
-        pinned = False
-        current: Inode | None = inode
-        for _ in range(4096):
-            if current is None or current.pinned:
-                pinned = current is not None
-                break
-            if current.ino == ROOT_INO:
-                break
-            current = self.meta.get(current.parent)
-        if len(self._pin_cache) > 100_000:
-            self._pin_cache.clear()
-        self._pin_cache[inode.ino] = pinned
-        return pinned
+        if value is None:
+            value = otherwise()
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[inode.ino] = value
+        return value
 
     def forget_policies(self) -> None:
         """A rename, a policy xattr or a pin changed: they are looked up again."""
@@ -320,6 +312,12 @@ class Checkpoints:
         if done:
             return f"promoting {done}/{total}"
         return "local"
+
+
+def _own_policy(inode: Inode) -> str | None:
+    """The policy the xattr on ``inode`` itself sets (None: none, or not valid)."""
+    value = inode.xattrs.get(POLICY_XATTR)
+    return _decode_policy(value) if value is not None else None
 
 
 def _decode_policy(value: str) -> str | None:
