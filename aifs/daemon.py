@@ -8,6 +8,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -101,7 +102,7 @@ def mount_type(mountpoint: str) -> str | None:
                 fields = line.split()
                 if len(fields) < 10 or "-" not in fields:
                     continue
-                point = fields[4].encode().decode("unicode_escape")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
                 if point == target:
                     found = fields[fields.index("-") + 1]  # the last one mounted wins
     except OSError:
