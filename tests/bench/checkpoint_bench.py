@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import bench_lake, boto3_multipart  # noqa: E402
+from common import bench_lake, boto3_multipart, finish  # noqa: E402
 from conftest import delete_prefix, file_digest  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -617,12 +617,8 @@ def main() -> int:
             for log in (work / "aifs.log", work / "s3fs.log"):
                 if log.exists():
                     shutil.copyfile(log, Path(args.keep_logs) / log.name)
-        for stop in stops:
-            stop()
-        shutil.rmtree(work, ignore_errors=True)
+        finish(work, stops, results, args.json)
     report(args, results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -46,3 +48,13 @@ def bench_lake(kind: str, work: Path, stops: list, need_bytes: int,
     server.client.create_bucket(Bucket=lake.bucket)
     return lake, server
 
+
+
+def finish(work: Path, stops: list, results: dict, json_path: str | None) -> None:
+    """Stop the servers a run started, remove its work directory, keep its
+    results as JSON if asked."""
+    for stop in stops:
+        stop()
+    shutil.rmtree(work, ignore_errors=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))

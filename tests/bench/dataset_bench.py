@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import conftest  # noqa: E402
-from common import bench_lake  # noqa: E402
+from common import bench_lake, finish  # noqa: E402
 
 MiB = 1 << 20
 
@@ -162,12 +162,8 @@ def main() -> int:
     finally:
         if os.path.ismount(work / "mnt"):
             subprocess.run(["fusermount3", "-u", "-z", str(work / "mnt")], check=False)
-        for stop in stops:
-            stop()
-        shutil.rmtree(work, ignore_errors=True)
+        finish(work, stops, r, args.json)
     report(args, r)
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2))
     return 0
 
 
