@@ -72,6 +72,7 @@ class Checkpoints:
         self.policies: Policies = config.policies()
         self._policy_cache: dict[int, str] = {}
         self._pin_cache: dict[int, bool] = {}
+        self.generation = 0  # bumped whenever policies may have changed
         # retention: checkpoint root -> its units, oldest first -> inos cached
         self._units: dict[str, OrderedDict[str, set[int]]] = {}
 
@@ -114,6 +115,7 @@ class Checkpoints:
         """A rename, a policy xattr or a pin changed: they are looked up again."""
         self._policy_cache.clear()
         self._pin_cache.clear()
+        self.generation += 1  # tells others who remember policies (the metrics)
 
     def is_checkpoint(self, inode: Inode) -> bool:
         return self.policy_of(inode) == CHECKPOINT

@@ -38,6 +38,8 @@ class Metrics:
         self.store = fs.store if isinstance(fs.store, CountingStore) else None
         self.started = time.time()
         self.url = ""  # of the HTTP endpoint, once it serves
+        self._local_policy: dict[int, str] = {}  # ino of a local copy -> its policy
+        self._policies_seen = -1
         self._samples: deque[tuple[float, dict[str, int]]] = deque()
 
     # -- throughput ------------------------------------------------------
@@ -75,10 +77,20 @@ class Metrics:
         fs = self.fs
         by_policy: Counter[str] = Counter(
             {p: n for p, n in fs.cache.by_policy.items() if n > 0})
-        for ino, size in fs.local.sizes().items():
-            inode = fs.meta.get(ino)
-            policy = fs.checkpoints.policy_of(inode) if inode is not None else "default"
+        if self._policies_seen != fs.checkpoints.generation:
+            self._policies_seen = fs.checkpoints.generation
+            self._local_policy.clear()
+        sizes = fs.local.sizes()
+        for ino, size in sizes.items():
+            policy = self._local_policy.get(ino)
+            if policy is None:  # once per local file, not once per scrape
+                inode = fs.meta.get(ino)
+                policy = fs.checkpoints.policy_of(inode) if inode is not None else "default"
+                self._local_policy[ino] = policy
             by_policy[policy] += size
+        if len(self._local_policy) > 2 * len(sizes) + 1000:
+            self._local_policy = {ino: self._local_policy[ino] for ino in sizes
+                                  if ino in self._local_policy}
         return dict(sorted(by_policy.items()))
 
     def snapshot(self) -> dict[str, Any]:
