@@ -37,6 +37,7 @@ from aifs.config import Config
 from aifs.errors import FsError, LakeError, ObjectNotFound
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
+from aifs.lake.counting import CountingStore
 from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.store import (
@@ -116,17 +117,18 @@ class Filesystem:
                  cache: BlockCache, local: LocalFiles,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        self.store = store
+        # Every lake call is counted here, whoever built the store (metrics).
+        self.store = store if isinstance(store, CountingStore) else CountingStore(store)
         self.meta = meta
         self.cache = cache
         self.local = local
         self.clock = clock
         self.block_size = config.block_size
-        self.fetcher = BlockFetcher(store, cache, config.block_size, config.memory_cache,
+        self.fetcher = BlockFetcher(self.store, cache, config.block_size, config.memory_cache,
                                     max_prefetch=max(4, config.max_connections))
         self.uid = os.getuid()
         self.gid = os.getgid()
-        self.promoter = Promoter(self, store, meta, local, config, self.uid, self.gid)
+        self.promoter = Promoter(self, self.store, meta, local, config, self.uid, self.gid)
         self.checkpoints = Checkpoints(config, meta, local,
                                        is_writing=lambda ino: bool(self._writers.get(ino)),
                                        hurry=lambda ino: self.promoter.promote_soon(ino),

@@ -203,8 +203,7 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)
         from aifs.lake import open_store
-        from aifs.lake.counting import CountingStore
-        store = CountingStore(open_store(config))
+        store = open_store(config)
         return trio.run(_serve, config, store, cache_dir, report, lock)
     except AifsError as exc:
         if ready_fd is None:

@@ -35,7 +35,7 @@ TIERS = ("memory", "blocks", "files")
 class Metrics:
     def __init__(self, fs: Filesystem) -> None:
         self.fs = fs
-        self.store = fs.store if isinstance(fs.store, CountingStore) else None
+        self.store: CountingStore = fs.store
         self.started = time.time()
         self.url = ""  # of the HTTP endpoint, once it serves
         self._local_policy: dict[int, str] = {}  # ino of a local copy -> its policy
@@ -46,9 +46,7 @@ class Metrics:
     def _totals(self) -> dict[str, int]:
         fs, store = self.fs, self.store
         return {"read_bytes": fs.read_bytes, "write_bytes": fs.write_bytes,
-                "lake_read_bytes": store.bytes_read if store else fs.fetcher.stats.lake_bytes,
-                "lake_written_bytes": (store.bytes_written if store
-                                       else fs.promoter.stats.upload_bytes)}
+                "lake_read_bytes": store.bytes_read, "lake_written_bytes": store.bytes_written}
 
     def sample(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -128,13 +126,12 @@ class Metrics:
                 "failures": promoted.failures,
             },
             "lake": {
-                "requests": {op: store.requests[op] for op in OPERATIONS} if store else {},
-                "errors": {op: store.errors[op] for op in OPERATIONS} if store else {},
-                "request_seconds": ({op: round(store.seconds[op], 3) for op in OPERATIONS}
-                                    if store else {}),
-                "retries": store.retries if store else 0,
-                "read_bytes": store.bytes_read if store else fetched.lake_bytes,
-                "written_bytes": store.bytes_written if store else promoted.upload_bytes,
+                "requests": {op: store.requests[op] for op in OPERATIONS},
+                "errors": {op: store.errors[op] for op in OPERATIONS},
+                "request_seconds": {op: round(store.seconds[op], 3) for op in OPERATIONS},
+                "retries": store.retries,
+                "read_bytes": store.bytes_read,
+                "written_bytes": store.bytes_written,
             },
             "fs": {
                 "read_requests": fs.read_requests, "read_bytes": fs.read_bytes,

@@ -147,11 +147,6 @@ class BlockCache:
             lru.move_to_end(rel)
         return self.root / rel
 
-    def has(self, version: ObjectVersion, index: int) -> bool:
-        """Whether the block is cached (not counted as a use)."""
-        with self._lock:
-            return self._rel(version, index) in self._blocks.get(version.ident, {})
-
     def store(self, version: ObjectVersion, index: int, data: bytes) -> bool:
         """Cache a block; False if it was not admitted (or could not be written)."""
         rel = self._rel(version, index)
