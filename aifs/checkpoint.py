@@ -40,6 +40,7 @@ from aifs.policy import CHECKPOINT, POLICIES, POLICY_XATTR, Policies
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_UNKNOWN = object()
 
 #: Markers up to this size are kept, version by version, so that while saves
 #: come faster than the lake takes them, the lake's marker still advances to
@@ -72,6 +73,7 @@ class Checkpoints:
         self.policies: Policies = config.policies()
         self._policy_cache: dict[int, str] = {}
         self._pin_cache: dict[int, bool] = {}
+        self._directory_values: dict[tuple[int, int], object] = {}  # (kind, dir) -> value
         self.generation = 0  # bumped whenever policies may have changed
         # retention: checkpoint root -> its units, oldest first -> inos cached
         self._units: dict[str, OrderedDict[str, set[int]]] = {}
@@ -95,15 +97,9 @@ class Checkpoints:
         cached = cache.get(inode.ino)
         if cached is not None:
             return cached
-        value = None
-        current: Inode | None = inode
-        for _ in range(4096):
-            if current is None:
-                break
-            value = own(current)
-            if value is not None or current.ino == ROOT_INO:
-                break
-            current = self.meta.get(current.parent)
+        value = own(inode)
+        if value is None and inode.ino != ROOT_INO:
+            value = self._from_directories(inode.parent, id(cache), own)
         if value is None:
             value = otherwise()
         if len(cache) > 100_000:
@@ -111,10 +107,38 @@ class Checkpoints:
         cache[inode.ino] = value
         return value
 
+    def _from_directories(self, ino: int, kind: int,
+                          own: Callable[[Inode], T | None]) -> T | None:
+        """The value set on directory ``ino`` or the nearest one above it (None:
+        none is); every directory walked is remembered, so the files of one
+        directory cost one walk, not one each."""
+        walked: list[int] = []
+        value: T | None = None
+        current: int | None = ino
+        for _ in range(4096):
+            if current is None:
+                break
+            hit = self._directory_values.get((kind, current), _UNKNOWN)
+            if hit is not _UNKNOWN:
+                value = hit  # type: ignore[assignment]
+                break
+            walked.append(current)
+            inode = self.meta.get(current)
+            value = own(inode) if inode is not None else None
+            if value is not None or inode is None or current == ROOT_INO:
+                break
+            current = inode.parent
+        if len(self._directory_values) > 100_000:
+            self._directory_values.clear()
+        for directory in walked:
+            self._directory_values[(kind, directory)] = value
+        return value
+
     def forget_policies(self) -> None:
         """A rename, a policy xattr or a pin changed: they are looked up again."""
         self._policy_cache.clear()
         self._pin_cache.clear()
+        self._directory_values.clear()
         self.generation += 1  # tells others who remember policies (the metrics)
 
     def is_checkpoint(self, inode: Inode) -> bool:

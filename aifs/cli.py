@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--multipart-threshold", help="e.g. 16M")
     mount.add_argument("--part-size", help="e.g. 8M")
     mount.add_argument("--parts-in-flight", type=int)
+    mount.add_argument("--pack-threshold", help="e.g. 1M; 0 packs nothing")
+    mount.add_argument("--pack-size", help="e.g. 64M")
+    mount.add_argument("--pack-wait", type=float, help="seconds")
+    mount.add_argument("--pack-compact-below", type=float, help="live share, 0 to 1")
+    mount.add_argument("--pack-gc-grace", type=float, help="seconds")
     mount.add_argument("--fsync", choices=["local", "lake"])
     mount.add_argument("--object-attrs", choices=["true", "false"])
     mount.add_argument("--policy", dest="policy_rules", action="append", default=None,
@@ -101,6 +106,16 @@ def _parser() -> argparse.ArgumentParser:
 
     unpin = sub.add_parser("unpin", help="let pinned files be evicted again")
     unpin.add_argument("paths", nargs="+", metavar="PATH")
+
+    pack = sub.add_parser("pack", help="pack the small plain objects of a lake directory "
+                          "(written by other tools) into pack objects for fast reads; the "
+                          "objects stay as they are")
+    pack.add_argument("path", metavar="PATH")
+    pack.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+    gc = sub.add_parser("gc", help="compact sparse packs and delete packs nothing refers to "
+                        "(after pack_gc_grace)")
+    gc.add_argument("path", nargs="?", default=".", metavar="PATH")
     return parser
 
 
@@ -118,6 +133,7 @@ def _mount(args: argparse.Namespace) -> int:
         "metadata_ttl", "endpoint_url", "region", "profile", "path_style", "sign_payload",
         "max_connections", "request_timeout", "retries", "promote_delay",
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
+        "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
         "stream_checkpoints", "stream_parts_in_flight", "metrics_port", "metrics_address",
         "unmount_timeout", "allow_other", "log_level", "log_file", "log_format",
@@ -395,6 +411,66 @@ def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:
     return 0
 
 
+def _pack(path: str, quiet: bool) -> int:
+    """``aifs pack``: one request does the work; a progress bar polls the mount."""
+    import json
+    import threading
+
+    root = _mount_root(path)
+    if not os.path.isdir(path):
+        raise AifsError(f"{path}: not a directory")
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            outcome["result"] = json.loads(os.getxattr(path, "user.aifs.pack"))
+        except OSError as exc:
+            outcome["error"] = exc.strerror
+
+    started = time.monotonic()
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+        if quiet:
+            continue
+        try:
+            now = json.loads(os.getxattr(root, "user.aifs.pack_progress"))
+        except (OSError, ValueError):
+            continue
+        total, done = now.get("files_total", 0), now.get("files_packed", 0)
+        filled = int(30 * done / total) if total else 0
+        print(f"\raifs pack: [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} files, "
+              f"{_size(now.get('bytes_packed', 0))}", end="", file=sys.stderr, flush=True)
+    if "error" in outcome:
+        raise AifsError(f"{path}: {outcome['error']} (see the mount's log)")
+    result = outcome["result"]
+    assert isinstance(result, dict)
+    if not quiet:
+        print(file=sys.stderr)
+    print(f"aifs pack: {result['files_packed']} files ({_size(result['bytes_packed'])}) "
+          f"packed in {time.monotonic() - started:.1f}s; the objects stay as they are")
+    return 0
+
+
+def _gc(path: str) -> int:
+    import json
+
+    root = _mount_root(path)
+    try:
+        result = json.loads(os.getxattr(root, "user.aifs.gc"))
+    except OSError as exc:
+        raise AifsError(f"{path}: {exc.strerror} (see the mount's log)") from None
+    print(f"aifs gc: {result['packs_compacted']} packs compacted "
+          f"({result['entries_moved']} files moved), {result['packs_deleted']} packs "
+          f"deleted, {_size(result['bytes_reclaimed'])} reclaimed")
+    if result["corrupt"]:
+        print(f"aifs gc: {len(result['corrupt'])} damaged files left in place (see the "
+              "mount's log)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _pin(paths: list[str], on: bool) -> None:
     for path in paths:
         _mount_root(path)
@@ -433,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "unpin":
             _pin(args.paths, False)
             return 0
+        if args.command == "pack":
+            return _pack(args.path, args.quiet)
+        if args.command == "gc":
+            return _gc(args.path)
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1

@@ -86,6 +86,18 @@ class Config:
                              "upload (at least 5M); parts double every 1000 so any object "
                              "fits in 10,000.", "size")
     parts_in_flight: int = _option(8, "Parts of one file uploaded at once.", "int")
+    pack_threshold: int = _option(parse_size("1M"), "Files smaller than this when promoted "
+                                  "are packed into pack objects (dataset and default "
+                                  "policies; at most block_size); 0 packs nothing.", "size")
+    pack_size: int = _option(parse_size("64M"), "Target size of a pack object.", "size")
+    pack_wait: float = _option(2.0, "Seconds small files wait for more to share their pack "
+                               "(a full pack goes at once).", "float")
+    pack_compact_below: float = _option(0.5, "Packs whose live share falls below this are "
+                                        "rewritten without their dead bytes (compaction).",
+                                        "float")
+    pack_gc_grace: float = _option(3600.0, "Seconds a pack nothing refers to any more is kept "
+                                   "before it is deleted, so nodes that have not yet read "
+                                   "the newest journals can still read from it.", "float")
     fsync: str = _option("local", "What fsync waits for: 'local' (the data is durable on "
                          "the local disk) or 'lake' (the file is in the lake).")
     object_attrs: bool = _option(True, "Read POSIX attributes (mode, owner, mtime, xattrs, "
@@ -186,6 +198,13 @@ class Config:
             raise ConfigError(f"metrics_port must be a TCP port, not {self.metrics_port}")
         if self.unmount_timeout < 0:
             raise ConfigError("unmount_timeout must not be negative")
+        if self.pack_threshold < 0 or self.pack_size < 1 << 20:
+            raise ConfigError("pack_threshold must not be negative; pack_size must be at "
+                              "least 1M")
+        if not 0 <= self.pack_compact_below <= 1 or self.pack_wait < 0 \
+                or self.pack_gc_grace < 0:
+            raise ConfigError("pack_compact_below must be between 0 and 1; pack_wait and "
+                              "pack_gc_grace must not be negative")
 
 
 def option_fields() -> list[dataclasses.Field]:

@@ -15,6 +15,7 @@ costs no metadata transaction.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import functools
 import itertools
@@ -35,11 +36,14 @@ from aifs.cache.files import EVICT_FIRST, LocalFiles
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError, LakeError, ObjectNotFound
+from aifs.flush.compaction import Compactor, Upkeep
+from aifs.flush.packer import entry_fields
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
+from aifs.meta.packindex import deletion, pack_key
 from aifs.meta.store import (
     DATA,
     DIR,
@@ -54,8 +58,8 @@ from aifs.meta.store import (
     valid_name,
 )
 from aifs.metrics import Metrics
-from aifs.policy import POLICIES, POLICY_XATTR, WEIGHTS
-from aifs.read.fetcher import BlockFetcher, read_at
+from aifs.policy import DATASET, DEFAULT, POLICIES, POLICY_XATTR, WEIGHTS
+from aifs.read.fetcher import BlockFetcher, read_at, verify
 from aifs.read.readahead import Readahead
 
 log = logging.getLogger(__name__)
@@ -67,11 +71,17 @@ SYNC_XATTR = b"user.aifs.sync"
 PENDING_XATTR = b"user.aifs.pending"
 METRICS_XATTR = b"user.aifs.metrics"
 WARMUP_XATTR = b"user.aifs.warmup"  # reading it fetches the file into the cache
+PACK_XATTR = b"user.aifs.pack"  # of a directory: reading it packs its objects (aifs pack)
+GC_XATTR = b"user.aifs.gc"  # reading it compacts and collects packs (aifs gc)
+PACK_PROGRESS_XATTR = b"user.aifs.pack_progress"
+ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the second read
 PINNED_XATTR = b"user.aifs.pinned"  # "1": kept in the cache (node-local)
 UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 COPY_CONCURRENCY = 16
+SCAN_OPENS = 3  # files of one pack opened within SCAN_WINDOW seconds: a scan
+SCAN_WINDOW = 10.0
 
 
 @dataclass
@@ -81,6 +91,7 @@ class OpenFile:
     readahead: Readahead
     writable: bool
     advised: int = 0  # a local copy read sequentially: asked the kernel to read this far
+    data: bytes | None = None  # a packed file's verified bytes, read once per handle
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,11 @@ class Filesystem:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.promoter = Promoter(self, self.store, meta, local, config, self.uid, self.gid)
+        self.packer = self.promoter.packer
+        self.packs = self.packer.index
+        self.compactor = Compactor(self.packer, self.store, meta, config)
+        self._pack_opens: dict[str, tuple[int, float]] = {}  # pack -> (opens, first)
+        self._action_results: dict[tuple[int, bytes], tuple[float, bytes]] = {}
         self.checkpoints = Checkpoints(config, meta, local,
                                        is_writing=lambda ino: bool(self._writers.get(ino)),
                                        hurry=lambda ino: self.promoter.promote_soon(ino),
@@ -163,6 +179,7 @@ class Filesystem:
     def start(self, nursery: trio.Nursery) -> None:
         self.fetcher.start(nursery)
         nursery.start_soon(self.promoter.run)
+        nursery.start_soon(self.compactor.run)
         nursery.start_soon(self.metrics.run)
 
     def recover(self) -> None:
@@ -283,6 +300,7 @@ class Filesystem:
                                     "the object is hidden")
                     continue
                 entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
+        await self._add_packed(directory, entries, started)
         # A file listed before the directory of the same name loses too.
         removed, replaced = await trio.to_thread.run_sync(
             self.meta.apply_listing, directory.ino, list(entries.values()), started, started)
@@ -295,6 +313,31 @@ class Filesystem:
                 else:
                     self.local.remove(ino)
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
+
+    async def _add_packed(self, directory: Inode, entries: dict[str, Listed],
+                          started: float) -> None:
+        """Add the packed files (and directories holding them) of a listing.
+
+        A plain object of the same name wins if it is newer than the packed
+        file's record; a packed copy made by ``aifs pack`` shows only while its
+        original is unchanged (the original is the truth for other tools)."""
+        await self.packer.journals.refresh_if_stale()
+        prefix = directory.key
+        for name, entry in self.packs.children(prefix):
+            if not self._acceptable(directory, name, prefix + name):
+                continue
+            plain = entries.get(name)
+            if entry is None:
+                if plain is None:
+                    entries[name] = Listed(name, DIR, prefix + name + "/", 0, "", started)
+                continue
+            if entry.origin:
+                if plain is None or plain.kind != FILE or plain.etag != entry.origin:
+                    continue
+            elif plain is not None and (plain.kind == DIR or plain.mtime > entry.stamp / 1e9):
+                continue
+            entries[name] = Listed(name, FILE, entry.key, entry.length, entry.etag,
+                                   entry.mtime_ns / 1e9, entry_fields(entry))
 
     def _acceptable(self, directory: Inode, name: str, key: str) -> bool:
         if directory.ino == ROOT_INO and name == RESERVED_PREFIX:
@@ -519,6 +562,8 @@ class Filesystem:
     def _remove(self, parent: int, name: bytes) -> None:
         removed = self.meta.remove(parent, name)
         self._touch_dir(parent)
+        if removed is not None and removed.packed:
+            self.packer.queue_records([deletion(removed.key)])
         if removed is not None:
             self.promoter.streams.cancel(removed.ino, "deleted")
             self._forget_written(removed.ino)
@@ -563,8 +608,11 @@ class Filesystem:
         source = self._inode(source.ino)
         new_key = target_dir.key + _name(new_name) + ("/" if source.is_dir else "")
         tombstones, etags = await self._move_in_lake(source, new_key)
+        if target is not None and target.packed and not source.packed:
+            self.packer.queue_records([deletion(target.key)])
         moved, replaced = self.meta.rename(old_parent, old_name, new_parent, new_name,
                                            new_key, tombstones, etags, self.local.has)
+        self._move_packed(source.key, new_key, source.is_dir)
         if source.is_dir:  # descendants to upload again under their new keys
             for inode in self.meta.pending_inodes():
                 if inode.pending & DATA and self._is_under(inode, moved.ino):
@@ -582,6 +630,33 @@ class Filesystem:
         if moved.pending:
             self._schedule(moved.ino, sooner=True)
         self.promoter.tombstones_changed()
+
+    def _move_packed(self, old_key: str, new_key: str, is_dir: bool) -> None:
+        """Publish a rename of packed files: each gets a record under its new
+        key (the same bytes) and a deletion under the old one. A packed copy
+        made by ``aifs pack`` is dropped: its original was copied in the lake."""
+        if is_dir:
+            entries = self.packs.under(old_key)
+        else:
+            entry = self.packs.entry(old_key)
+            entries = [entry] if entry is not None else []
+        if not entries:
+            return
+        now = time.time_ns()
+        records = []
+        for entry in entries:
+            records.append(deletion(entry.key, now))
+            if entry.origin:
+                continue
+            moved = dataclasses.replace(entry, key=new_key + entry.key[len(old_key):],
+                                        stamp=now + 1)
+            records.append(moved.record())
+            owner = self.meta.owner_of(moved.key)
+            inode = self.meta.get(owner) if owner is not None else None
+            if inode is not None and inode.pack == entry.pack \
+                    and inode.pack_offset == entry.offset and not inode.pending & DATA:
+                self.meta.update(inode.ino, etag=moved.etag)
+        self.packer.queue_records(records)
 
     def _is_under(self, inode: Inode, ancestor: int) -> bool:
         """Whether ``inode`` is ``ancestor`` or lies below it."""
@@ -603,6 +678,10 @@ class Filesystem:
         if not source.is_dir:
             if not source.in_lake:
                 return [], {}
+            if source.packed and not source.pending & DATA:
+                entry = self.packs.entry(source.key)
+                if entry is not None and not entry.origin:
+                    return [], {}  # no object: the pack index moves it
             if source.pending & DATA or source.etag == MAYBE_IN_LAKE:
                 return [source.key], {}  # its upload goes to the new key
             metadata = (object_metadata(source, self.uid, self.gid)
@@ -710,9 +789,58 @@ class Filesystem:
         return fh
 
     def _version(self, inode: Inode) -> ObjectVersion:
-        """The lake version an inode's cached blocks belong to."""
-        return ObjectVersion(inode.key, inode.etag, inode.size, self.checkpoints.policy_of(inode),
-                             self.checkpoints.is_pinned(inode))
+        """The lake version an inode's cached blocks belong to (for a packed
+        file: its range of the pack, named by place, checked by checksum)."""
+        policy, pinned = self.checkpoints.policy_of(inode), self.checkpoints.is_pinned(inode)
+        if inode.packed:
+            source = pack_key(inode.pack)
+            return ObjectVersion(f"{source}@{inode.pack_offset}", inode.checksum, inode.size,
+                                 policy, pinned, source=source, base=inode.pack_offset)
+        return ObjectVersion(inode.key, inode.etag, inode.size, policy, pinned)
+
+    def _pack_version(self, version: ObjectVersion) -> ObjectVersion | None:
+        """The whole pack a packed file's bytes are in (None: its size is unknown)."""
+        info = self.packs.pack_info(version.source[len(pack_key("")):])
+        if not info or not info.get("size"):
+            return None
+        return ObjectVersion(version.source, "", info["size"], version.policy, version.pinned)
+
+    async def _packed_bytes(self, version: ObjectVersion) -> bytes:
+        """A packed file's bytes, verified. A range GET of them alone, unless
+        the whole pack is wanted (dataset policy, or several of its files
+        opened in a row: a directory scan) or already cached: then they come
+        from the pack's blocks, which the next files of the pack hit."""
+        if version.size == 0:
+            return b""
+        whole = self._pack_version(version)
+        bs = self.block_size
+        first, last = version.base // bs, (version.base + version.size - 1) // bs
+        if whole is not None:
+            scanning = self._scanning(version.source)
+            if version.policy == DATASET or scanning:
+                self.fetcher.prefetch(whole, 0, self.fetcher.blocks_of(whole) - 1)
+            if scanning or version.policy == DATASET or all(
+                    self.fetcher.available(whole, i) for i in range(first, last + 1)):
+                pieces = []
+                for index in range(first, last + 1):
+                    lo = max(version.base, index * bs) - index * bs
+                    hi = min(version.base + version.size, (index + 1) * bs) - index * bs
+                    pieces.append(bytes(await self.fetcher.read(whole, index, lo, hi)))
+                data = b"".join(pieces)
+                verify(data, version.etag, version.key)
+                return data
+        return bytes(await self.fetcher.read(version, 0, 0, version.size))
+
+    def _scanning(self, pack: str) -> bool:
+        """Count an open of a file of ``pack``; True once several came in a row."""
+        now = self.clock()
+        count, since = self._pack_opens.get(pack, (0, now))
+        if now - since > SCAN_WINDOW:
+            count, since = 0, now
+        self._pack_opens[pack] = (count + 1, since)
+        if len(self._pack_opens) > 1024:
+            self._pack_opens.pop(next(iter(self._pack_opens)))
+        return count + 1 >= SCAN_OPENS
 
     def _file(self, fh: int) -> OpenFile:
         handle = self.files.get(fh)
@@ -741,6 +869,10 @@ class Filesystem:
                 handle.advised = end
             return await read_at(fd, offset, size, self._disk)
         version = handle.version
+        if version.source:  # packed: small, read and verified whole once
+            if handle.data is None:
+                handle.data = await self._packed_bytes(version)
+            return memoryview(handle.data)[offset:offset + size]
         end = min(offset + size, version.size)
         if offset >= end:
             return b""
@@ -971,6 +1103,14 @@ class Filesystem:
     def change_count(self, ino: int) -> int:
         return self._changes.get(ino, 0)
 
+    def packable(self, inode: Inode) -> bool:
+        """Whether a file goes to the lake in a pack: small, a dataset or
+        default file (checkpoints, their markers and weights get objects)."""
+        return (inode.kind == FILE and inode.size < self.packer.threshold
+                and not self.promoter.streams.active(inode.ino)
+                and self.checkpoints.policy_of(inode) in (DATASET, DEFAULT)
+                and not self.checkpoints.is_marker(inode))
+
     def wait_before_promoting(self, inode: Inode, force: bool) -> float:
         return self.checkpoints.wait_before_promoting(inode, force)
 
@@ -1055,6 +1195,8 @@ class Filesystem:
         out[b"user.aifs.key"] = lambda: inode.key.encode("utf-8", "surrogateescape")
         if not inode.is_dir:
             out[b"user.aifs.etag"] = inode.etag.encode
+            if inode.packed:
+                out[b"user.aifs.pack"] = f"{inode.pack}@{inode.pack_offset}".encode
             out[b"user.aifs.cached_bytes"] = lambda: str(self._cached_bytes(inode)).encode()
         out[b"user.aifs.state"] = lambda: self.checkpoints.state(
             inode, self.promoter.progress, self._with_written).encode()
@@ -1066,6 +1208,8 @@ class Filesystem:
             out[b"user.aifs.stats"] = lambda: json.dumps(self.stats()).encode()
             out[PENDING_XATTR] = lambda: json.dumps(self.promoter.summary()).encode()
             out[METRICS_XATTR] = lambda: json.dumps(self.metrics.snapshot()).encode()
+            out[PACK_PROGRESS_XATTR] = lambda: json.dumps(
+                dataclasses.asdict(self.compactor.progress)).encode()
         return out
 
     # -- warmup and pins ----------------------------------------------------------
@@ -1105,6 +1249,8 @@ class Filesystem:
             totals["cached"] += inode.size
             return True
         version = self._version(inode)
+        if version.source:  # packed: the whole pack, which its neighbours share
+            version = self._pack_version(version) or version
         self.cache.reclass(version)
         try:
             fetched, refused = await self.fetcher.warm(version)
@@ -1117,6 +1263,20 @@ class Filesystem:
         totals["cached"] += self.cache.cached_bytes(version)
         return True
 
+    async def pack_tree(self, ino: int) -> Upkeep:
+        """``aifs pack``: pack the small plain objects below a directory; every
+        listing is refreshed afterwards, so the packed copies serve reads."""
+        directory = self._directory(ino)
+        if directory.ino == ROOT_INO:
+            def hidden(key: str) -> bool:
+                return key.startswith(RESERVED_PREFIX + "/")
+        else:
+            def hidden(key: str) -> bool:
+                return False
+        result = await self.compactor.import_objects(directory.key, hidden)
+        self.meta.expire_all()
+        return result
+
     def pin(self, ino: int, on: bool) -> None:
         """Pin (or unpin) a file or a tree: its cached blocks are never evicted.
         Node-local: kept in LMDB, not in the lake. ``aifs pin`` then warms it."""
@@ -1127,7 +1287,7 @@ class Filesystem:
                 self.cache.reclass(self._version(inode))
 
     def _cached_bytes(self, inode: Inode) -> int:
-        cached = self.cache.cached_bytes(ObjectVersion(inode.key, inode.etag, inode.size))
+        cached = self.cache.cached_bytes(self._version(inode))
         return max(cached, inode.size) if self.local.has(inode.ino) else cached
 
     def stats(self) -> dict[str, int]:
@@ -1143,18 +1303,40 @@ class Filesystem:
                 "write_bytes": self.write_bytes, "uploads": promoted.uploads,
                 "upload_bytes": promoted.upload_bytes, "deletes": promoted.deletes,
                 "metadata_updates": promoted.metadata_updates,
-                "promote_failures": promoted.failures}
+                "promote_failures": promoted.failures,
+                "packs": self.packer.stats.packs, "packed_files": self.packer.stats.packed_files,
+                "journals": self.packer.stats.journals,
+                "journals_read": self.packer.stats.journals_read}
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         if name == SYNC_XATTR:
             await self.sync(ino)
             return b"synced"
-        if name == WARMUP_XATTR:
-            return json.dumps(await self.warm(ino)).encode()
+        if name in (WARMUP_XATTR, GC_XATTR) or (name == PACK_XATTR
+                                                and self._inode(ino).is_dir):
+            return await self._action(ino, name)
         value = self.xattrs(ino).get(name)
         if value is None:
             raise FsError(errno.ENODATA)
         return value()
+
+    async def _action(self, ino: int, name: bytes) -> bytes:
+        """Run the command an xattr stands for (warmup, pack, gc); its result
+        (JSON) is kept for the client's second call. Clients read an xattr
+        twice: once to learn its size (getfattr) or with a 128-byte buffer
+        that is too small (Python), then with a buffer that fits."""
+        remembered = self._action_results.pop((ino, name), None)
+        if remembered is not None and self.clock() - remembered[0] < ACTION_RESULT_KEPT:
+            return remembered[1]
+        if name == WARMUP_XATTR:
+            result: dict[str, object] = dict(await self.warm(ino))
+        elif name == GC_XATTR:
+            result = dataclasses.asdict(await self.compactor.gc())
+        else:
+            result = dataclasses.asdict(await self.pack_tree(ino))
+        value = json.dumps(result).encode().ljust(129)  # never fits a 128-byte probe
+        self._action_results[(ino, name)] = (self.clock(), value)
+        return value
 
     def listxattr(self, ino: int) -> list[bytes]:
         return list(self.xattrs(ino))

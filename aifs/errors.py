@@ -34,6 +34,10 @@ class PreconditionFailed(LakeError):
     errno = errno.ESTALE
 
 
+class CorruptData(LakeError):
+    """Bytes from the lake do not match their recorded checksum."""
+
+
 class LakeUnavailable(LakeError):
     """Endpoint unreachable, timed out, throttled or answering 5xx."""
 

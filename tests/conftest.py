@@ -4,6 +4,7 @@ RADOS Gateway when the script is there) and real FUSE mounts in subprocesses."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -170,11 +171,28 @@ class Lake:
             (self.root / key).mkdir(parents=True, exist_ok=True)
 
     def get(self, key: str) -> bytes:
+        """The bytes of a file in the lake: its object, else its packed entry."""
+        try:
+            return self.get_object(key)
+        except KeyError:
+            record = lake_packed(self).get(key)
+            if record is None:
+                raise
+            return lake_packed_bytes(self, record)
+
+    def get_object(self, key: str) -> bytes:
+        """The bytes of one object (KeyError if there is none)."""
         if self.server:
-            return self.server.client.get_object(
-                Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+            try:
+                return self.server.client.get_object(
+                    Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+            except self.server.client.exceptions.NoSuchKey:
+                raise KeyError(key) from None
         assert self.root is not None
-        return (self.root / key).read_bytes()
+        try:
+            return (self.root / key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise KeyError(key) from None
 
 
 def _make_lake(kind: str, request, tmp_path: Path) -> Lake:
@@ -294,9 +312,21 @@ LOCAL_TMP_PREFIX = ".aifs-tmp-"   # the local lake's not-yet-renamed objects
 
 
 def lake_sizes(lake: Lake) -> dict[str, int]:
-    """Every key in the lake and its size, from one LIST, without the lake's prefix;
-    a directory marker ends with "/" (on the local lake every directory counts as
-    one, size 0)."""
+    """Every file and directory marker in the lake as a mount shows them, and its
+    size: the objects (without aifs's own under ``.aifs/``) and the packed files
+    the journals list. See :func:`lake_objects` for the objects alone."""
+    objects = lake_objects(lake)
+    out = {key: size for key, size in objects.items() if not key.startswith(".aifs/")}
+    if any(key.startswith(JOURNALS) for key in objects):
+        for key, record in lake_packed(lake, objects).items():
+            out.setdefault(key, record["len"])
+    return out
+
+
+def lake_objects(lake: Lake) -> dict[str, int]:
+    """Every object in the lake and its size, from one LIST, without the lake's
+    prefix; a directory marker ends with "/" (on the local lake every directory
+    counts as one, size 0)."""
     out: dict[str, int] = {}
     if lake.server:
         pages = lake.server.client.get_paginator("list_objects_v2").paginate(
@@ -324,7 +354,7 @@ def lake_sizes(lake: Lake) -> dict[str, int]:
 
 
 def lake_keys(lake: Lake) -> list[str]:
-    """Every key in the lake, sorted (see :func:`lake_sizes`)."""
+    """Every file and marker key in the lake, sorted (see :func:`lake_sizes`)."""
     return sorted(lake_sizes(lake))
 
 
@@ -352,7 +382,18 @@ def lake_tree(lake: Lake, under: str = "") -> tuple[dict[str, bytes], set[str]]:
 
 
 def lake_meta(lake: Lake, key: str) -> dict[str, str]:
-    """The user metadata of one object (s3fs names: mode, uid, gid, mtime, xattr)."""
+    """The user metadata of one object (s3fs names: mode, uid, gid, mtime, xattr),
+    or of a packed file as its journal record gives it."""
+    if _plain_size(lake, key) is None and (record := lake_packed(lake).get(key)):
+        import urllib.parse
+        seconds, nanos = divmod(record["mtime"], 1_000_000_000)
+        meta = {"mode": str(0o100000 | (record["mode"] or 0o644)), "uid": str(record["uid"]),
+                "gid": str(record["gid"]),
+                "mtime": f"{seconds}.{nanos:09d}" if nanos else str(seconds)}
+        if record.get("xattrs"):
+            meta["xattr"] = urllib.parse.quote(json.dumps(
+                record["xattrs"], separators=(",", ":"), sort_keys=True), safe="")
+        return meta
     if lake.server:
         return lake.server.client.head_object(Bucket=lake.bucket,
                                               Key=lake.prefix + key)["Metadata"]
@@ -362,8 +403,45 @@ def lake_meta(lake: Lake, key: str) -> dict[str, str]:
             for name in os.listxattr(path) if name.startswith("user.aifs.meta.")}
 
 
-def lake_size(lake: Lake, key: str) -> int | None:
-    """The size of the object under ``key`` now, or None when there is none."""
+JOURNALS = ".aifs/journal/"
+PACKS = ".aifs/packs/"
+
+
+_replayed: dict[tuple, dict[str, dict]] = {}
+
+
+def lake_packed(lake: Lake, objects: dict[str, int] | None = None) -> dict[str, dict]:
+    """The packed files of the lake, read from its journals as docs/packing.md
+    describes them (written here independently of aifs): key -> its put record."""
+    objects = lake_objects(lake) if objects is None else objects
+    journals = tuple(sorted((k, v) for k, v in objects.items()
+                            if k.startswith(JOURNALS) and not k.endswith("/")))
+    cached = _replayed.get((lake.url, journals))
+    if cached is not None:
+        return cached
+    newest: dict[str, dict] = {}
+    for key, _ in journals:
+        for record in json.loads(lake.get_object(key))["records"]:
+            current = newest.get(record.get("key", ""))
+            if record["op"] in ("put", "del"):
+                if current is None or record["t"] >= current["t"]:
+                    newest[record["key"]] = record
+            elif record["op"] == "move" and current is not None \
+                    and current["op"] == "put" \
+                    and [current["pack"], current["off"]] == record["from"]:
+                newest[record["key"]] = dict(current, pack=record["pack"], off=record["off"])
+    out = {key: record for key, record in newest.items() if record["op"] == "put"}
+    _replayed[(lake.url, journals)] = out
+    return out
+
+
+def lake_packed_bytes(lake: Lake, record: dict) -> bytes:
+    """A packed file's bytes, cut from its pack object."""
+    data = lake.get_object(PACKS + record["pack"])
+    return data[record["off"]:record["off"] + record["len"]]
+
+
+def _plain_size(lake: Lake, key: str) -> int | None:
     import botocore.exceptions
     if lake.server:
         try:
@@ -380,9 +458,21 @@ def lake_size(lake: Lake, key: str) -> int | None:
         return None
 
 
+def lake_size(lake: Lake, key: str) -> int | None:
+    """The size of the file under ``key`` in the lake now (its object, else its
+    packed entry), or None when there is none."""
+    size = _plain_size(lake, key)
+    if size is None and (record := lake_packed(lake).get(key)) is not None:
+        return record["len"]
+    return size
+
+
 def lake_digest(lake: Lake, key: str) -> str:
-    """xxh3-128 of an object's bytes, streamed (for big objects)."""
+    """xxh3-128 of a file's bytes in the lake (streamed from its object, else cut
+    from its pack)."""
     import xxhash
+    if _plain_size(lake, key) is None and (record := lake_packed(lake).get(key)) is not None:
+        return xxhash.xxh3_128_hexdigest(lake_packed_bytes(lake, record))
     hasher = xxhash.xxh3_128()
     if lake.server:
         body = lake.server.client.get_object(Bucket=lake.bucket, Key=lake.prefix + key)["Body"]

@@ -38,8 +38,9 @@ async def fs(tmp_path, nursery):
     data = os.urandom(8 * MiB + 3)
     (tmp_path / "lake" / "d" / "big").write_bytes(data)
     (tmp_path / "lake" / "small").write_bytes(b"small")
+    # Plain objects are what these tests look at in the lake (packing: test_packing).
     config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    readahead_max=4 * MiB, metadata_ttl=60)
+                    readahead_max=4 * MiB, metadata_ttl=60, pack_threshold=0)
     store = CountingStore(str(tmp_path / "lake"))
     filesystem = Filesystem(config, store, MetaStore(tmp_path / "meta"),
                             BlockCache(tmp_path / "cache", config.cache_size),
@@ -157,7 +158,7 @@ async def test_changes_survive_a_crash(tmp_path):
     lake = tmp_path / "lake"
     lake.mkdir()
     config = Config(lake=f"file://{lake}", block_size=MiB, cache_size=64 * MiB,
-                    promote_delay=3600)
+                    promote_delay=3600, pack_threshold=0)
 
     def build():
         return Filesystem(config, LocalStore(str(lake)), MetaStore(tmp_path / "meta"),

@@ -58,6 +58,10 @@ class ObjectVersion:
     policy: str = field(default="default", compare=False)
     #: kept whatever the pressure (``aifs pin``)
     pinned: bool = field(default=False, compare=False)
+    #: a packed file: its bytes are [base, base + size) of the pack object
+    #: ``source``, and ``etag`` is their checksum (verified on every fetch)
+    source: str = field(default="", compare=False)
+    base: int = field(default=0, compare=False)
 
     @functools.cached_property
     def ident(self) -> str:

@@ -11,6 +11,7 @@ the stale upload is abandoned before completion (multipart) or replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -25,10 +26,12 @@ import trio
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, lake_error_in
+from aifs.flush.packer import Packer
 from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.objattrs import to_metadata
-from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, Inode, MetaStore
+from aifs.meta.packindex import PackedEntry, deletion
+from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, META, Inode, MetaStore
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class Host(Protocol):
     """What the promoter asks of the filesystem (``core.Filesystem``)."""
 
     def promotable(self, ino: int, force: bool) -> Inode | None: ...
+    def packable(self, inode: Inode) -> bool: ...
     def change_count(self, ino: int) -> int: ...
     def is_open(self, ino: int) -> bool: ...
     def promoted(self, ino: int, inode: Inode) -> None: ...
@@ -110,6 +114,7 @@ class Promoter:
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
                                config.stream_parts_in_flight)
+        self.packer = Packer(self, store, meta, files, config, uid, gid)
 
     # -- schedule -----------------------------------------------------------
     def schedule(self, ino: int, delay: float | None = None, force: bool = False,
@@ -144,6 +149,7 @@ class Promoter:
             self.schedule(inode.ino, 0.0)
         async with trio.open_nursery() as nursery:
             self.streams.start(nursery)
+            nursery.start_soon(self.packer.run)
             while True:
                 now = trio.current_time()
                 while self._heap and self._slots.value > 0:
@@ -245,6 +251,9 @@ class Promoter:
             return False
         version = self.host.change_count(ino)
         key = inode.key
+        if inode.pending & DATA and self.host.packable(inode):
+            self.packer.submit(inode, version, force)  # it settles once its journal is in
+            return False
         if inode.pending & DATA:
             info = await self._upload(inode, version)
         else:
@@ -269,13 +278,49 @@ class Promoter:
             self.schedule(ino)
             return False
         done = inode.pending
-        settled = self.meta.settle(ino, key, done, etag=info.etag)
+        fields: dict[str, object] = {"etag": info.etag}
+        if not info.etag.startswith("pack:"):  # an object of its own now
+            fields.update(pack="", pack_offset=0, checksum="")
+            if inode.packed:
+                self.packer.queue_records([deletion(key)])
+        settled = self.meta.settle(ino, key, done, **fields)
         if settled is None:
             return True
         if done & DATA and not settled.pending:
             self.files.mark_clean(ino)
         self.host.promoted(ino, settled)
         return True
+
+    def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None:
+        """A packed file's journal is in the lake: settle it (as ``_promote``
+        settles an upload)."""
+        current = self.meta.get(ino)
+        if current is None or current.orphan or current.key != key:
+            if self.meta.owner_of(key) is None:  # renamed or deleted meanwhile
+                self.packer.queue_records([deletion(key)])
+            if current is not None and not current.orphan:
+                self.schedule(ino, 0.0)
+            return
+        fields = {"etag": entry.etag, "pack": entry.pack, "pack_offset": entry.offset,
+                  "checksum": entry.xxh3}
+        if current.etag and current.etag != entry.etag:
+            # An object of the file's own may be in the lake: deleted now.
+            self.meta.add_tombstone(key)
+            self.tombstones_changed()
+        if self.host.change_count(ino) != version:
+            self.meta.update(ino, **fields)  # this version is in the lake; a newer follows
+            self.schedule(ino)
+            return
+        settled = self.meta.settle(ino, key, DATA | META, **fields)
+        if settled is not None:
+            if not settled.pending:
+                self.files.mark_clean(ino)
+            self.host.promoted(ino, settled)
+        self._unpark()
+        self._changed()
+
+    def change_count(self, ino: int) -> int:
+        return self.host.change_count(ino)
 
     async def _publish_version(self, inode: Inode, seq: int, content: bytes) -> bool:
         """Put an older version of a waiting marker whose checkpoint is complete
@@ -294,7 +339,7 @@ class Promoter:
 
     async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)
-        if inode.etag and inode.etag != MAYBE_IN_LAKE:
+        if inode.etag and inode.etag != MAYBE_IN_LAKE and not inode.packed:
             await self._warn_if_replaced(inode)
         if inode.kind == LINK:
             data = inode.target.encode("utf-8", "surrogateescape")
@@ -378,6 +423,16 @@ class Promoter:
     async def _write_metadata(self, inode: Inode) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)
         self.stats.metadata_updates += 1
+        if inode.packed:
+            entry = self.packer.index.entry(inode.key)
+            if entry is not None and not entry.origin:  # a new record, the same bytes
+                changed = dataclasses.replace(
+                    entry, stamp=time.time_ns(), mode=inode.mode, uid=int(metadata["uid"]),
+                    gid=int(metadata["gid"]), mtime_ns=inode.mtime_ns,
+                    xattrs=inode.xattrs or None)
+                self.packer.queue_records([changed.record()])
+                return ObjectInfo(inode.key, inode.size, changed.etag, 0.0)
+            # A packed copy (aifs pack) of a plain object: the object takes the change.
         if inode.is_dir:
             if not inode.key:
                 return ObjectInfo("", 0, "", 0.0)  # the root has no marker
@@ -445,7 +500,10 @@ class Promoter:
         batch: list[str] = []
         deferred = False
         for key in sorted(tombs, key=lambda k: (-k.count("/"), k)):
-            if self.meta.owner_of(key) is not None:
+            owner = self.meta.owner_of(key)
+            owner_inode = self.meta.get(owner) if owner is not None else None
+            if owner is not None and not (owner_inode is not None and owner_inode.packed
+                                          and not owner_inode.pending & DATA):
                 self.meta.drop_tombstone(key)  # a live inode's upload replaces it
                 continue
             if tombs[key] and self.host.is_open(tombs[key]):
@@ -524,23 +582,28 @@ class Promoter:
         # What is pending now (changes made later are not waited for).
         waiting = {i.ino for i in self.meta.pending_inodes() if selects(i)}
         while True:
-            still = [self.meta.get(ino) for ino in waiting]
-            left = [i for i in still if i is not None and i.pending and not i.orphan]
-            waiting = {i.ino for i in left}
+            waiting &= self.meta.pending_set()  # an orphan is pending no more
             tombs: dict[str, int] = {}
             if key_prefix is not None:
                 tombs = self.meta.tombstones_under(key_prefix)
                 for key in self._blocked_tombstones(self.meta.tombstones()):
                     tombs.pop(key, None)
-            if not left and not tombs:
+            packing = self.packer.waiting()
+            if not waiting and not tombs and not packing:
                 return
-            for inode in left:
-                failure = self._failures.get(inode.ino)
+            if packing:
+                count, why, when = self.packer.failure
+                if count >= 2 and when >= started:
+                    raise LakeError(f"packing small files: {why}")
+                self.packer.hurry()
+            for ino in waiting:
+                failure = self._failures.get(ino)
                 if failure and failure[2] >= started and failure[0] >= 2:
-                    raise LakeError(f"{inode.key}: {failure[1]}")
-                if inode.ino not in self._active and (
-                        inode.ino not in self._forced or inode.ino not in self._due):
-                    self.schedule(inode.ino, 0.0, force=True)
+                    inode = self.meta.get(ino)
+                    raise LakeError(f"{inode.key if inode else ino}: {failure[1]}")
+                if ino not in self._active and not self.packer.queued(ino) and (
+                        ino not in self._forced or ino not in self._due):
+                    self.schedule(ino, 0.0, force=True)
             if tombs:
                 count, why, when = self._delete_failures
                 if count >= 2 and when >= started:

@@ -26,8 +26,13 @@ marker     ino ++ u64 sequence number       content of a commit marker as one cl
                                             it (published once what it commits is in)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"next_seq" / b"next_tomb"
+           b"next_outbox"
+           b"node"                          this cache directory's node id (packs)
            b"schema"                        schema version
 =========  ===============================  ==========================================
+
+The pack index (``packed``, ``packmember``, ``pack``, ``journal``, ``outbox``)
+lives in the same environment; its table is in :mod:`aifs.meta.packindex`.
 
 A lookup is one get in ``dentry``; readdir is a range scan of ``cookie`` from
 the last cookie the kernel saw, so entries added or removed meanwhile never
@@ -43,8 +48,9 @@ import logging
 import shutil
 import struct
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
@@ -99,10 +105,13 @@ class Inode:
     pending: int = 0  # DATA | META
     target: str = ""  # symlink target
     pinned: bool = False  # node-local: kept in the cache (aifs pin), inherited below a dir
+    pack: str = ""  # packed: the id of the pack object that holds the bytes ("" plain)
+    pack_offset: int = 0  # ... where in the pack they start
+    checksum: str = ""  # ... and their xxh3, verified on every read from the lake
     xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Inode:
@@ -111,6 +120,11 @@ class Inode:
     @property
     def is_dir(self) -> bool:
         return self.kind == DIR
+
+    @property
+    def packed(self) -> bool:
+        """Whether the lake holds this file's bytes in a pack (not an object)."""
+        return bool(self.pack)
 
     @property
     def in_lake(self) -> bool:
@@ -128,6 +142,8 @@ class Listed:
     size: int = 0
     etag: str = ""
     mtime: float = 0.0
+    #: further inode fields a packed file's listing knows (pack, owner, mode ...)
+    fields: dict[str, object] | None = None
 
 
 class MetaStore:
@@ -158,7 +174,7 @@ class MetaStore:
 
     @staticmethod
     def _open(path: Path, map_size: int) -> lmdb.Environment | None:
-        env = lmdb.open(str(path), map_size=map_size, max_dbs=12, subdir=True,
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=20, subdir=True,
                         readahead=False, sync=False, metasync=False)
         sys_db = env.open_db(b"sys")
         with env.begin(db=sys_db) as txn:
@@ -167,6 +183,15 @@ class MetaStore:
             env.close()
             return None
         return env
+
+    def node_id(self) -> str:
+        """A name for this cache directory, made once: packs and journals carry it."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"node", db=self.sys)
+            if raw is None:
+                raw = uuid.uuid4().hex[:12].encode()
+                txn.put(b"node", raw, db=self.sys)
+        return bytes(raw).decode()
 
     def close(self) -> None:
         self.env.sync(True)
@@ -320,6 +345,12 @@ class MetaStore:
                 txn.put(key, u64(self._counter(txn, b"next_seq", 1)), db=self.pendings)
         else:
             txn.delete(key, db=self.pendings)
+
+    def pending_set(self) -> set[int]:
+        """The inodes with local state not yet in the lake (no record decoded)."""
+        with self.env.begin() as txn:
+            return {_U64.unpack(k)[0]
+                    for k in txn.cursor(db=self.pendings).iternext(keys=True, values=False)}
 
     def pending_order(self) -> dict[int, int]:
         """ino -> sequence number of when it became pending (lower: earlier)."""
@@ -525,6 +556,9 @@ class MetaStore:
             inode.parent = parent
         if new_key in etags:
             inode.etag = etags[new_key]
+            inode.pack, inode.pack_offset, inode.checksum = "", 0, ""
+        elif inode.packed and not inode.pending & DATA:
+            pass  # the pack index moves it (no object of its own to copy)
         elif not inode.is_dir:
             if inode.in_lake and inode.etag != MAYBE_IN_LAKE and not inode.pending & DATA:
                 # Promoted while the move was under way: its object under the
@@ -587,8 +621,9 @@ class MetaStore:
             existing = dict(self._children(parent, txn))
             for entry in listed:
                 name = key_bytes(entry.name)
-                if txn.get(key_bytes(entry.key), db=self.tombs) is not None:
-                    continue
+                if txn.get(key_bytes(entry.key), db=self.tombs) is not None \
+                        and not (entry.fields or {}).get("pack"):
+                    continue  # deleted here; a packed file's own record says if it lives
                 value = existing.pop(name, None)
                 if value is not None:
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
@@ -603,6 +638,9 @@ class MetaStore:
                             if current.kind != DIR:
                                 current.attrs_known = False
                                 current.kind = entry.kind
+                                current.pack, current.pack_offset, current.checksum = "", 0, ""
+                                for name, field_value in (entry.fields or {}).items():
+                                    setattr(current, name, field_value)
                             self._put(txn, current)
                         continue
                     removed.append(_U64x2.unpack(value[:16])[0])
@@ -630,6 +668,8 @@ class MetaStore:
         cookie = self._counter(txn, b"next_cookie", 1)
         inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
                       int(entry.mtime * 1e9))
+        for field_name, value in (entry.fields or {}).items():
+            setattr(inode, field_name, value)
         txn.put(u64(ino), inode.encode(), db=self.inodes)
         txn.put(u64(parent) + name, _U64x2.pack(ino, cookie), db=self.dentries)
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
-from aifs.errors import LakeError, PreconditionFailed
+from aifs.errors import CorruptData, LakeError, PreconditionFailed
 from aifs.lake.base import ObjectStore
+from aifs.meta.packindex import checksum
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,13 @@ async def read_at(fd: int, offset: int, length: int,
         got += await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
                                               limiter=limiter)
     return memoryview(buf)[:got]
+
+
+def verify(data: bytes | memoryview, expected: str, what: str) -> None:
+    """Raise CorruptData unless ``data`` has the checksum a pack recorded."""
+    if checksum(data) != expected:
+        raise CorruptData(f"{what}: checksum mismatch (the pack is damaged); "
+                          "no bytes are returned")
 
 
 @dataclass
@@ -152,6 +160,12 @@ class BlockFetcher:
             raise LakeError(f"reading {version.key}: fetch was cancelled")
         return flight.data
 
+    def available(self, version: ObjectVersion, index: int) -> bool:
+        """Whether a block is in memory, on its way, or on the cache disk."""
+        slot = (version.ident, index)
+        return (slot in self._memory or slot in self._flights
+                or self.cache.locate(version, index) is not None)
+
     def prefetch(self, version: ObjectVersion, first: int, last: int) -> None:
         """Start fetching blocks [first, last] that are not at hand or on the way."""
         last = min(last, self.blocks_of(version) - 1)
@@ -186,13 +200,19 @@ class BlockFetcher:
         try:
             offset = index * self.block_size
             length = min(self.block_size, version.size - offset)
-            data = await self.store.get_range(version.key, offset, length,
-                                              if_match=version.etag or None)
+            if version.source:  # a packed file: a range of its (immutable) pack
+                data = await self.store.get_range(version.source, version.base + offset,
+                                                  length)
+            else:
+                data = await self.store.get_range(version.key, offset, length,
+                                                  if_match=version.etag or None)
             self.stats.lake_gets += 1
             self.stats.lake_bytes += len(data)
             if len(data) != length:
                 raise PreconditionFailed(f"{version.key} changed in the lake "
                                          f"(short read at {offset})")
+            if version.source and length == version.size:
+                verify(data, version.etag, version.key)
             self._remember(slot, data)
             flight.data = data
             flight.done.set()

@@ -1,0 +1,343 @@
+"""Small-file packing: many small files reach the lake as a few pack objects.
+
+Promotion hands the packer every closed small file (below ``pack_threshold``,
+dataset and default policies). The packer gathers them for ``pack_wait``
+seconds or until ``pack_size`` bytes, then puts one pack object (the files'
+bytes back to back) and one journal object that says where each file is
+(:mod:`aifs.meta.packindex`). Only after the journal is in the lake are the
+files settled; a crash before that leaves them pending, and the next mount
+packs them again (the pack left behind is collected). Local changes that
+carry no data (unlink, rename, chmod of a packed file) are queued in LMDB and
+published in the next journal.
+
+Other nodes replay the journals (:class:`Journals`) at most once per
+``metadata_ttl``, the same freshness as directory listings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from aifs.cache.files import LocalFiles
+from aifs.config import Config
+from aifs.errors import ObjectNotFound, lake_error_in
+from aifs.lake.base import ObjectStore
+from aifs.meta.packindex import (
+    FORMAT_VERSION,
+    JOURNAL_DIR,
+    PackedEntry,
+    PackIndex,
+    Record,
+    checksum,
+    pack_key,
+)
+from aifs.meta.store import DATA, Inode, MetaStore
+
+log = logging.getLogger(__name__)
+
+JOURNALS_AT_ONCE = 16
+
+
+class Owner(Protocol):
+    """What the packer asks of the promoter."""
+
+    def change_count(self, ino: int) -> int: ...
+    def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None: ...
+
+
+@dataclass
+class PackStats:
+    packs: int = 0
+    packed_files: int = 0
+    packed_bytes: int = 0
+    journals: int = 0
+    journals_read: int = 0
+    corrupt: int = 0
+
+
+def new_name(node: str, counter: int) -> str:
+    """A pack or journal name: sorts by creation time, unique per node."""
+    return f"{time.time_ns():020d}-{node}-{counter}"
+
+
+class Journals:
+    """Replays the lake's journals into the local pack index."""
+
+    def __init__(self, store: ObjectStore, index: PackIndex, ttl: float,
+                 stats: PackStats) -> None:
+        self.store = store
+        self.index = index
+        self.ttl = ttl
+        self.stats = stats
+        self._refreshed = -float("inf")
+        self._running: trio.Event | None = None
+
+    async def refresh_if_stale(self) -> None:
+        if trio.current_time() - self._refreshed >= self.ttl:
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Read the journals this node has not replayed yet (one LIST, and a
+        GET per new journal); concurrent callers share one refresh."""
+        if self._running is not None:
+            await self._running.wait()
+            return
+        self._running = trio.Event()
+        started = trio.current_time()
+        try:
+            listed: dict[str, int] = {}
+            async for page in self.store.iter_list(JOURNAL_DIR, None):
+                listed.update({obj.key: obj.size for obj in page.objects})
+            new = sorted(set(listed) - self.index.seen(listed))
+            if new:
+                await self._replay(new, listed)
+            self._refreshed = started
+        finally:
+            self._running.set()
+            self._running = None
+
+    async def _replay(self, names: list[str], sizes: dict[str, int]) -> None:
+        contents: dict[str, bytes] = {}
+        slots = trio.Semaphore(JOURNALS_AT_ONCE)
+
+        async def fetch(name: str) -> None:
+            async with slots:
+                try:
+                    contents[name] = await self.store.get_range(name, 0, sizes[name])
+                except ObjectNotFound:
+                    pass  # folded or collected meanwhile
+
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(fetch, name)
+        for name in names:  # in name (time) order, though any order gives the same
+            if name not in contents:
+                continue
+            try:
+                body = json.loads(contents[name])
+                records = body["records"]
+            except (ValueError, KeyError, TypeError):
+                log.error("journal %s is unreadable; its packed files stay hidden", name)
+                records = []
+            await trio.to_thread.run_sync(self.index.apply, records, name)
+            self.stats.journals_read += 1
+        log.debug("replayed %d journals", len(names))
+
+
+class Packer:
+    def __init__(self, owner: Owner, store: ObjectStore, meta: MetaStore, files: LocalFiles,
+                 config: Config, uid: int, gid: int) -> None:
+        self.owner = owner
+        self.store = store
+        self.meta = meta
+        self.files = files
+        self.config = config
+        self.uid, self.gid = uid, gid
+        self.index = PackIndex(meta)
+        self.node = meta.node_id()
+        self.stats = PackStats()
+        self.journals = Journals(store, self.index, config.metadata_ttl, self.stats)
+        self._queue: dict[int, int] = {}  # ino -> change count when handed over
+        self._inflight: set[int] = set()  # ... and those in a pack being published
+        self._queued_bytes = 0
+        self._oldest: float | None = None
+        self._forced = False
+        self._counter = 0
+        self._wake = trio.Event()
+        self._uploads = trio.Semaphore(2)
+        self.failure: tuple[int, str, float] = (0, "", 0.0)  # count, why, when
+
+    @property
+    def threshold(self) -> int:
+        return min(self.config.pack_threshold, self.config.block_size)
+
+    # -- what to pack ----------------------------------------------------------
+    def submit(self, inode: Inode, version: int, force: bool) -> None:
+        """Pack this closed small file with the next pack (a file already in a
+        pack on its way is settled, or handed over again, when that lands)."""
+        if inode.ino in self._inflight:
+            return
+        if inode.ino not in self._queue:
+            self._queued_bytes += inode.size
+        self._queue[inode.ino] = version
+        if self._oldest is None:
+            self._oldest = trio.current_time()
+        self._forced |= force
+        self._wake.set()
+
+    def queued(self, ino: int) -> bool:
+        return ino in self._queue or ino in self._inflight
+
+    def publish_soon(self) -> None:
+        """Changes without data are queued: publish them with the next journal."""
+        if self._oldest is None:
+            self._oldest = trio.current_time()
+        self._wake.set()
+
+    def hurry(self) -> None:
+        self._forced = True
+        self._wake.set()
+
+    def waiting(self) -> bool:
+        """Whether anything is waiting to reach a journal."""
+        return bool(self._queue) or self.index.outbox_size() > 0
+
+    def _next_name(self) -> str:
+        self._counter += 1
+        return new_name(self.node, self._counter)
+
+    def new_pack_id(self) -> str:
+        return self._next_name()
+
+    async def write_pack(self, pack: str, data: bytes | bytearray) -> Record:
+        """Put a pack object; return its journal record."""
+        await self.store.put(pack_key(pack), bytes(data))
+        self.stats.packs += 1
+        return {"op": "pack", "pack": pack, "size": len(data), "t": time.time_ns()}
+
+    async def write_journal(self, records: list[Record], applied: int | None = None) -> str:
+        """Put a journal of ``records``, then apply them here (the first
+        ``applied`` of them: the rest were applied when queued)."""
+        name = JOURNAL_DIR + self._next_name() + ".json"
+        body = json.dumps({"v": FORMAT_VERSION, "node": self.node, "records": records},
+                          separators=(",", ":")).encode()
+        await self.store.put(name, body)
+        self.stats.journals += 1
+        count = len(records) if applied is None else applied
+        await trio.to_thread.run_sync(self.index.apply, records[:count], name)
+        return name
+
+    # -- the loop ----------------------------------------------------------------
+    async def run(self) -> None:
+        if self.index.outbox_size():
+            self.publish_soon()
+        async with trio.open_nursery() as nursery:
+            while True:
+                due = math.inf
+                if self._oldest is not None:
+                    due = self._oldest + self.config.pack_wait
+                if self._forced or self._queued_bytes >= self.config.pack_size:
+                    due = trio.current_time()
+                if due <= trio.current_time():
+                    await self._uploads.acquire()
+                    batch = self._take()
+                    self._inflight.update(batch)
+                    self._forced = bool(self._queue) and self._forced
+                    nursery.start_soon(self._publish_task, batch)
+                    continue
+                with trio.move_on_at(due):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def _take(self) -> dict[int, int]:
+        """The next pack's files: up to ``pack_size`` bytes, oldest first."""
+        batch: dict[int, int] = {}
+        size = 0
+        for ino in list(self._queue):
+            inode = self.meta.get(ino)
+            length = inode.size if inode is not None else 0
+            if batch and size + length > self.config.pack_size:
+                break
+            batch[ino] = self._queue.pop(ino)
+            size += length
+        self._queued_bytes = max(0, self._queued_bytes - size)
+        self._oldest = trio.current_time() if self._queue else None
+        return batch
+
+    async def _publish_task(self, batch: dict[int, int]) -> None:
+        try:
+            await self._publish(batch)
+            self.failure = (0, "", 0.0)
+        except Exception as exc:
+            error = lake_error_in(exc)
+            if error is None and not isinstance(exc, OSError):
+                log.exception("packing failed")
+            count = self.failure[0] + 1
+            self.failure = (count, str(error or exc), trio.current_time())
+            log.warning("packing %d files failed (%s); they are tried again", len(batch),
+                        error or exc)
+            await trio.sleep(min(30.0, 2.0 ** count))
+            for ino, version in batch.items():  # back in the queue, unless changed
+                self._inflight.discard(ino)
+                self._queue.setdefault(ino, version)
+            self.publish_soon()
+        finally:
+            self._inflight.difference_update(batch)
+            self._uploads.release()
+            self._wake.set()
+
+    async def _publish(self, batch: dict[int, int]) -> None:
+        """One pack of ``batch`` (if any is still as handed over) and one journal
+        with it and the queued changes; then settle the packed files."""
+        outbox, last = self.index.outbox_records()
+        items = [inode for inode in (self.meta.get(ino) for ino in batch)
+                 if inode is not None and not inode.orphan and inode.pending & DATA
+                 and self.owner.change_count(inode.ino) == batch[inode.ino]
+                 and self.files.has(inode.ino)]
+        records: list[Record] = []
+        placed: list[tuple[Inode, PackedEntry]] = []
+        if items:
+            pack = self.new_pack_id()
+            data, entries = await trio.to_thread.run_sync(self._assemble, pack, items)
+            records.append(await self.write_pack(pack, data))
+            for inode, entry in zip(items, entries, strict=True):
+                if entry is not None:
+                    records.append(entry.record())
+                    placed.append((inode, entry))
+        records += outbox
+        if not records:
+            return
+        await self.write_journal(records, applied=len(records) - len(outbox))
+        if outbox:
+            self.index.drop_outbox(last)
+        for inode, entry in placed:
+            self.stats.packed_files += 1
+            self.stats.packed_bytes += entry.length
+            self.owner.packed(inode.ino, inode.key, batch[inode.ino], entry)
+        if placed:
+            log.debug("packed %d files (%d bytes) into %s", len(placed),
+                      sum(e.length for _, e in placed), records[0]["pack"])
+
+    def _assemble(self, pack: str, items: list[Inode]
+                  ) -> tuple[bytearray, list[PackedEntry | None]]:
+        """The pack's bytes and an entry per file (None: its copy was gone)."""
+        data = bytearray()
+        entries: list[PackedEntry | None] = []
+        stamp = time.time_ns()
+        for inode in items:
+            try:
+                with open(self.files.path(inode.ino), "rb") as fp:
+                    content = fp.read()
+            except FileNotFoundError:
+                entries.append(None)
+                continue
+            entries.append(PackedEntry(
+                inode.key, pack, len(data), len(content), checksum(content), stamp,
+                inode.mode, self.uid if inode.uid < 0 else inode.uid,
+                self.gid if inode.gid < 0 else inode.gid,
+                inode.mtime_ns, inode.xattrs or None))
+            data += content
+        return data, entries
+
+    # -- records of changes without data ---------------------------------------
+    def queue_records(self, records: list[Record]) -> None:
+        if records:
+            self.index.queue(records)
+            self.publish_soon()
+
+
+def entry_fields(entry: PackedEntry) -> dict[str, object]:
+    """The inode fields a listing of a packed file sets."""
+    fields: dict[str, object] = {"pack": entry.pack, "pack_offset": entry.offset,
+                                 "checksum": entry.xxh3, "mtime_ns": entry.mtime_ns}
+    if not entry.origin:  # aifs pack copies: attributes from the original's metadata
+        fields.update(mode=entry.mode, uid=entry.uid, gid=entry.gid,
+                      xattrs=dict(entry.xattrs or {}), attrs_known=True)
+    return fields

@@ -1,0 +1,294 @@
+"""The pack index: which lake keys are small files packed into pack objects.
+
+Packed files have no object of their own. Their bytes are a range of a pack
+object under ``.aifs/packs/``, and the lake says where through journal
+objects under ``.aifs/journal/``: each holds a batch of records (see
+``docs/packing.md``). Every node replays every journal into this index, so
+all nodes agree on the packed files, whoever wrote them. Records are applied
+last writer wins, per key, by their time stamp, so the order in which a node
+reads journals does not matter.
+
+LMDB databases (in the metadata store's environment):
+
+==========  ===============================  ==========================================
+database    key                              value
+==========  ===============================  ==========================================
+packed      lake key, UTF-8                  the newest record of the key (JSON): a put
+                                             (where its bytes are) or a del (gone)
+packmember  pack id ++ NUL ++ u64 offset     lake key of a live entry of that pack
+pack        pack id                          JSON {size, live, t, dead_since}: live
+                                             bytes, for compaction and collection
+journal     journal name                     empty: replayed here already
+outbox      u64 sequence number              a record of a local change without new
+                                             data (delete, rename, chmod) waiting to
+                                             be published in the next journal
+==========  ===============================  ==========================================
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+import xxhash
+
+from aifs.meta.store import MetaStore, key_bytes, u64
+
+PACK_DIR = ".aifs/packs/"
+JOURNAL_DIR = ".aifs/journal/"
+FORMAT_VERSION = 1
+
+Record = dict[str, Any]
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """The checksum packs record per entry (xxh3, 64 bits, hex)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def pack_key(pack: str) -> str:
+    return PACK_DIR + pack
+
+
+@dataclass(frozen=True)
+class PackedEntry:
+    """Where a packed file's bytes are, and its POSIX attributes."""
+
+    key: str
+    pack: str
+    offset: int
+    length: int
+    xxh3: str
+    stamp: int  # ns wall time of the change that wrote this record
+    mode: int = 0
+    uid: int = -1
+    gid: int = -1
+    mtime_ns: int = 0
+    xattrs: dict[str, str] | None = None
+    origin: str = ""  # ETag of the plain object this is a packed copy of (aifs pack)
+
+    @classmethod
+    def from_record(cls, record: Record) -> PackedEntry:
+        return cls(record["key"], record["pack"], record["off"], record["len"],
+                   record["xxh3"], record["t"], record.get("mode", 0), record.get("uid", -1),
+                   record.get("gid", -1), record.get("mtime", 0), record.get("xattrs"),
+                   record.get("origin", ""))
+
+    def record(self) -> Record:
+        out: Record = {"op": "put", "key": self.key, "pack": self.pack, "off": self.offset,
+                       "len": self.length, "xxh3": self.xxh3, "t": self.stamp,
+                       "mode": self.mode, "uid": self.uid, "gid": self.gid,
+                       "mtime": self.mtime_ns}
+        if self.xattrs:
+            out["xattrs"] = self.xattrs
+        if self.origin:
+            out["origin"] = self.origin
+        return out
+
+    @property
+    def etag(self) -> str:
+        """The inode ETag of a packed file: its place and record time, which
+        change with its content and with its attributes."""
+        return f"pack:{self.pack}:{self.offset}:{self.stamp}"
+
+
+def deletion(key: str, stamp: int | None = None) -> Record:
+    return {"op": "del", "key": key, "t": stamp if stamp is not None else time.time_ns()}
+
+
+def _member(pack: str, offset: int) -> bytes:
+    return pack.encode() + b"\0" + u64(offset)
+
+
+class PackIndex:
+    def __init__(self, meta: MetaStore) -> None:
+        self.env = meta.env
+        self.entries = self.env.open_db(b"packed")
+        self.members = self.env.open_db(b"packmember")
+        self.packs = self.env.open_db(b"pack")
+        self.journals = self.env.open_db(b"journal")
+        self.outbox = self.env.open_db(b"outbox")
+        self.sys = meta.sys
+
+    # -- reads ----------------------------------------------------------------
+    def entry(self, key: str) -> PackedEntry | None:
+        with self.env.begin() as txn:
+            raw = txn.get(key_bytes(key), db=self.entries)
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return PackedEntry.from_record(record) if record["op"] == "put" else None
+
+    def children(self, prefix: str) -> Iterator[tuple[str, PackedEntry | None]]:
+        """Packed children of the directory ``prefix``: (name, entry) for a
+        file, (name, None) for a directory that holds packed files."""
+        raw_prefix = key_bytes(prefix)
+        out: list[tuple[str, PackedEntry | None]] = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.entries)
+            found = cursor.set_range(raw_prefix)
+            while found:
+                key, value = cursor.item()
+                if not key.startswith(raw_prefix):
+                    break
+                rest = bytes(key[len(raw_prefix):])
+                slash = rest.find(b"/")
+                if slash >= 0:  # below a subdirectory: one entry, then skip past it
+                    sub = rest[:slash]
+                    if self._any_live(txn, raw_prefix + sub + b"/"):
+                        out.append((sub.decode("utf-8", "surrogateescape"), None))
+                    found = cursor.set_range(raw_prefix + sub + b"0")  # "0" follows "/"
+                    continue
+                record = json.loads(value)
+                if record["op"] == "put":
+                    out.append((rest.decode("utf-8", "surrogateescape"),
+                                PackedEntry.from_record(record)))
+                found = cursor.next()
+        yield from out
+
+    def _any_live(self, txn: lmdb.Transaction, prefix: bytes) -> bool:
+        cursor = txn.cursor(db=self.entries)
+        found = cursor.set_range(prefix)
+        while found and cursor.key().startswith(prefix):
+            if b'"op":"put"' in cursor.value():
+                return True
+            found = cursor.next()
+        return False
+
+    def under(self, prefix: str) -> list[PackedEntry]:
+        """Every live packed file below ``prefix``."""
+        raw_prefix = key_bytes(prefix)
+        out = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.entries)
+            found = cursor.set_range(raw_prefix)
+            while found and cursor.key().startswith(raw_prefix):
+                record = json.loads(cursor.value())
+                if record["op"] == "put":
+                    out.append(PackedEntry.from_record(record))
+                found = cursor.next()
+        return out
+
+    def members_of(self, pack: str) -> list[PackedEntry]:
+        """The live entries of a pack, in offset order."""
+        prefix = pack.encode() + b"\0"
+        out = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.members)
+            found = cursor.set_range(prefix)
+            while found and cursor.key().startswith(prefix):
+                raw = txn.get(cursor.value(), db=self.entries)
+                if raw:
+                    record = json.loads(raw)
+                    if record["op"] == "put" and record["pack"] == pack:
+                        out.append(PackedEntry.from_record(record))
+                found = cursor.next()
+        return out
+
+    def pack_info(self, pack: str) -> dict[str, Any] | None:
+        with self.env.begin() as txn:
+            raw = txn.get(pack.encode(), db=self.packs)
+        return json.loads(raw) if raw else None
+
+    def all_packs(self) -> dict[str, dict[str, Any]]:
+        with self.env.begin() as txn:
+            return {bytes(k).decode(): json.loads(v) for k, v in txn.cursor(db=self.packs)}
+
+    def seen(self, names: Iterable[str]) -> set[str]:
+        """Which of these journals were replayed here."""
+        with self.env.begin() as txn:
+            return {name for name in names if txn.get(name.encode(), db=self.journals)
+                    is not None}
+
+    def outbox_records(self, limit: int = 100_000) -> tuple[list[Record], int]:
+        """Records waiting to be published, and the sequence number of the last."""
+        out, last = [], 0
+        with self.env.begin() as txn:
+            for key, value in txn.cursor(db=self.outbox):
+                out.append(json.loads(value))
+                last = int.from_bytes(key, "big")
+                if len(out) >= limit:
+                    break
+        return out, last
+
+    def outbox_size(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self.outbox)["entries"])
+
+    # -- writes ---------------------------------------------------------------
+    def apply(self, records: Iterable[Record], journal: str | None = None) -> None:
+        """Apply journal records (and mark ``journal`` replayed), in one transaction."""
+        with self.env.begin(write=True) as txn:
+            for record in records:
+                self._apply(txn, record)
+            if journal is not None:
+                txn.put(journal.encode(), b"", db=self.journals)
+
+    def queue(self, records: list[Record]) -> None:
+        """Apply local changes now and keep them for the next journal."""
+        with self.env.begin(write=True) as txn:
+            for record in records:
+                self._apply(txn, record)
+                raw = txn.get(b"next_outbox", db=self.sys)
+                seq = int.from_bytes(raw, "big") if raw else 1
+                txn.put(b"next_outbox", u64(seq + 1), db=self.sys)
+                txn.put(u64(seq), json.dumps(record, separators=(",", ":")).encode(),
+                        db=self.outbox)
+
+    def drop_outbox(self, up_to: int) -> None:
+        with self.env.begin(write=True) as txn:
+            cursor = txn.cursor(db=self.outbox)
+            while cursor.first() and int.from_bytes(cursor.key(), "big") <= up_to:
+                cursor.delete()
+
+    def forget_pack(self, pack: str) -> None:
+        """A collected pack: drop its record (its entries are all dead)."""
+        with self.env.begin(write=True) as txn:
+            txn.delete(pack.encode(), db=self.packs)
+
+    def _apply(self, txn: lmdb.Transaction, record: Record) -> None:
+        op = record.get("op")
+        if op == "pack":
+            raw = txn.get(record["pack"].encode(), db=self.packs)
+            info = json.loads(raw) if raw else {"live": 0, "dead_since": 0}
+            info["size"], info["t"] = record["size"], record["t"]
+            self._put_pack(txn, record["pack"], info)
+            return
+        key = key_bytes(record["key"])
+        raw = txn.get(key, db=self.entries)
+        current = json.loads(raw) if raw else None
+        if op == "move":  # compaction: only if the entry is still where it was
+            if current is None or current["op"] != "put" or \
+                    [current["pack"], current["off"]] != record["from"]:
+                return
+            new = dict(current, pack=record["pack"], off=record["off"])
+        elif op in ("put", "del"):
+            if current is not None and current["t"] > record["t"]:
+                return  # an older change than the one we know
+            new = record
+        else:
+            return  # a record of a later format: ignored
+        if current is not None and current["op"] == "put":
+            txn.delete(_member(current["pack"], current["off"]), db=self.members)
+            self._add_live(txn, current["pack"], -current["len"])
+        txn.put(key, json.dumps(new, separators=(",", ":")).encode(), db=self.entries)
+        if new["op"] == "put":
+            txn.put(_member(new["pack"], new["off"]), key, db=self.members)
+            self._add_live(txn, new["pack"], new["len"])
+
+    def _add_live(self, txn: lmdb.Transaction, pack: str, delta: int) -> None:
+        raw = txn.get(pack.encode(), db=self.packs)
+        info = json.loads(raw) if raw else {"size": 0, "live": 0, "t": 0, "dead_since": 0}
+        info["live"] = max(0, info["live"] + delta)
+        if info["live"] == 0 and info.get("size"):
+            info["dead_since"] = info.get("dead_since") or time.time()
+        else:
+            info["dead_since"] = 0
+        self._put_pack(txn, pack, info)
+
+    def _put_pack(self, txn: lmdb.Transaction, pack: str, info: dict[str, Any]) -> None:
+        txn.put(pack.encode(), json.dumps(info, separators=(",", ":")).encode(), db=self.packs)
