@@ -145,6 +145,7 @@ class Filesystem:
         self.compactor = Compactor(self.packer, self.store, meta, config)
         self._pack_opens: dict[str, tuple[int, float]] = {}  # pack -> (opens, first)
         self._action_results: dict[tuple[int, bytes], tuple[float, bytes]] = {}
+        self._dir_times: dict[int, tuple[int, float]] = {}  # ino -> (mtime_ns, ctime)
         self.checkpoints = Checkpoints(config, meta, local,
                                        is_writing=lambda ino: bool(self._writers.get(ino)),
                                        hurry=lambda ino: self.promoter.promote_soon(ino),
@@ -177,9 +178,11 @@ class Filesystem:
         self.metrics = Metrics(self)
 
     def start(self, nursery: trio.Nursery) -> None:
+        self.local.start_spares()
         self.fetcher.start(nursery)
         nursery.start_soon(self.promoter.run)
         nursery.start_soon(self.compactor.run)
+        nursery.start_soon(self._save_dir_times_now_and_then)
         nursery.start_soon(self.metrics.run)
 
     def recover(self) -> None:
@@ -217,10 +220,13 @@ class Filesystem:
         return self._with_written(inode)
 
     def _with_written(self, inode: Inode) -> Inode:
-        """``inode`` with the size and mtime of writes not yet stored."""
+        """``inode`` with the size and mtime of writes (and directory times) not
+        yet stored."""
         written = self._written.get(inode.ino)
         if written is not None:
             inode.size, inode.mtime_ns = written
+        elif inode.is_dir and inode.ino in self._dir_times:
+            inode.mtime_ns, inode.ctime = self._dir_times[inode.ino]
         return inode
 
     def _directory(self, ino: int) -> Inode:
@@ -281,6 +287,7 @@ class Filesystem:
         return directory
 
     async def _list(self, directory: Inode) -> None:
+        self.save_dir_times()  # a listing keeps what changed here since it started
         prefix = directory.key
         started = self.clock()
         entries: dict[str, Listed] = {}
@@ -318,9 +325,10 @@ class Filesystem:
                           started: float) -> None:
         """Add the packed files (and directories holding them) of a listing.
 
-        A plain object of the same name wins if it is newer than the packed
-        file's record; a packed copy made by ``aifs pack`` shows only while its
-        original is unchanged (the original is the truth for other tools)."""
+        A plain object of the same name wins if it is not older than the
+        packed file's record (to the second); a packed copy made by ``aifs
+        pack`` shows only while its original is unchanged (the original is the
+        truth for other tools)."""
         await self.packer.journals.refresh_if_stale()
         prefix = directory.key
         for name, entry in self.packs.children(prefix):
@@ -334,8 +342,9 @@ class Filesystem:
             if entry.origin:
                 if plain is None or plain.kind != FILE or plain.etag != entry.origin:
                     continue
-            elif plain is not None and (plain.kind == DIR or plain.mtime > entry.stamp / 1e9):
-                continue
+            elif plain is not None and (plain.kind == DIR or math.floor(plain.mtime)
+                                        >= math.floor(entry.stamp / 1e9)):
+                continue  # the lake's times are whole seconds: a tie goes to the object
             entries[name] = Listed(name, FILE, entry.key, entry.length, entry.etag,
                                    entry.mtime_ns / 1e9, entry_fields(entry))
 
@@ -469,10 +478,12 @@ class Filesystem:
             raise FsError(errno.EINVAL)
         if parent == ROOT_INO and name == RESERVED_PREFIX.encode():
             raise FsError(errno.EPERM)  # the lake's reserved prefix
-        await self._ensure_listed(directory)
-        if self.meta.lookup(parent, name) is not None:
+        directory = await self._ensure_listed(directory)
+        if directory.orphan:
+            raise FsError(errno.ENOENT)  # removed by the listing
+        if self.meta.exists(parent, name):
             raise FsError(errno.EEXIST)
-        return self._directory(parent)
+        return directory
 
     def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
              pending: int, **extra: object) -> Inode:
@@ -487,8 +498,20 @@ class Filesystem:
         return inode
 
     def _touch_dir(self, ino: int) -> None:
-        """A directory's entries changed: its mtime moves (kept locally only)."""
-        self.meta.update(ino, mtime_ns=time.time_ns(), ctime=self.clock())
+        """A directory's entries changed: its mtime moves (kept locally only, and
+        stored in batches: a create costs no extra metadata transaction)."""
+        self._dir_times[ino] = (time.time_ns(), self.clock())
+
+    def save_dir_times(self) -> None:
+        """Store the directory times changed since the last call."""
+        if self._dir_times:
+            times, self._dir_times = self._dir_times, {}
+            self.meta.set_times(times)
+
+    async def _save_dir_times_now_and_then(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            self.save_dir_times()
 
     async def _new_file(self, parent: int, name: bytes, mode: int, uid: int,
                         gid: int) -> Inode:
@@ -1309,6 +1332,8 @@ class Filesystem:
                 "journals_read": self.packer.stats.journals_read}
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if not name.startswith(b"user."):
+            raise FsError(errno.ENODATA)  # the kernel asks security.capability per write
         if name == SYNC_XATTR:
             await self.sync(ino)
             return b"synced"

@@ -259,6 +259,7 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
             nursery.cancel_scope.cancel()
     finally:
         unmount()
+        fs.save_dir_times()
         local.close()
         meta.close()
         await store.aclose()

@@ -171,28 +171,30 @@ class Lake:
             (self.root / key).mkdir(parents=True, exist_ok=True)
 
     def get(self, key: str) -> bytes:
-        """The bytes of a file in the lake: its object, else its packed entry."""
+        """The bytes of a file in the lake: its object, else its packed entry
+        (a missing file raises what the lake raises: FileNotFoundError, NoSuchKey)."""
         try:
             return self.get_object(key)
-        except KeyError:
+        except Exception as exc:
+            if not self._missing(exc):
+                raise
             record = lake_packed(self).get(key)
             if record is None:
                 raise
             return lake_packed_bytes(self, record)
 
-    def get_object(self, key: str) -> bytes:
-        """The bytes of one object (KeyError if there is none)."""
+    def _missing(self, exc: Exception) -> bool:
         if self.server:
-            try:
-                return self.server.client.get_object(
-                    Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
-            except self.server.client.exceptions.NoSuchKey:
-                raise KeyError(key) from None
+            return isinstance(exc, self.server.client.exceptions.NoSuchKey)
+        return isinstance(exc, (FileNotFoundError, IsADirectoryError))
+
+    def get_object(self, key: str) -> bytes:
+        """The bytes of one object."""
+        if self.server:
+            return self.server.client.get_object(
+                Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
         assert self.root is not None
-        try:
-            return (self.root / key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
-            raise KeyError(key) from None
+        return (self.root / key).read_bytes()
 
 
 def _make_lake(kind: str, request, tmp_path: Path) -> Lake:

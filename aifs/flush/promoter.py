@@ -252,6 +252,8 @@ class Promoter:
         version = self.host.change_count(ino)
         key = inode.key
         if inode.pending & DATA and self.host.packable(inode):
+            if inode.etag and inode.etag != MAYBE_IN_LAKE:
+                await self._warn_if_replaced(inode)
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
         if inode.pending & DATA:
@@ -312,6 +314,8 @@ class Promoter:
             self.schedule(ino)
             return
         settled = self.meta.settle(ino, key, DATA | META, **fields)
+        self.stats.uploads += 1
+        self.stats.upload_bytes += entry.length
         if settled is not None:
             if not settled.pending:
                 self.files.mark_clean(ino)
@@ -339,7 +343,7 @@ class Promoter:
 
     async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)
-        if inode.etag and inode.etag != MAYBE_IN_LAKE and not inode.packed:
+        if inode.etag and inode.etag != MAYBE_IN_LAKE:
             await self._warn_if_replaced(inode)
         if inode.kind == LINK:
             data = inode.target.encode("utf-8", "surrogateescape")
@@ -447,11 +451,15 @@ class Promoter:
             raise
 
     async def _warn_if_replaced(self, inode: Inode) -> None:
+        expected: str | None = inode.etag
+        if inode.packed:  # no object of its own, unless aifs pack copied one
+            entry = self.packer.index.entry(inode.key)
+            expected = entry.origin if entry is not None and entry.origin else None
         try:
             current = await self.store.head(inode.key)
         except ObjectNotFound:
             return
-        if current.etag != inode.etag:
+        if current.etag != expected:
             log.warning("%s changed in the lake since this node read it; this node's "
                         "version replaces it", inode.key)
 

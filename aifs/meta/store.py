@@ -215,6 +215,10 @@ class MetaStore:
             raw = txn.get(value[:8], db=self.inodes)
         return Inode.decode(raw) if raw else None
 
+    def exists(self, parent: int, name: bytes) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(u64(parent) + name, db=self.dentries) is not None
+
     def owner_of(self, key: str) -> int | None:
         """The live inode that owns lake key ``key``, if any."""
         with self.env.begin() as txn:
@@ -418,6 +422,16 @@ class MetaStore:
                 setattr(inode, name, value)
             self._put(txn, inode)
         return inode
+
+    def set_times(self, times: dict[int, tuple[int, float]]) -> None:
+        """Set (mtime_ns, ctime) of several inodes in one transaction."""
+        with self.env.begin(write=True) as txn:
+            for ino, (mtime_ns, ctime) in times.items():
+                raw = txn.get(u64(ino), db=self.inodes)
+                if raw:
+                    inode = Inode.decode(raw)
+                    inode.mtime_ns, inode.ctime = mtime_ns, ctime
+                    txn.put(u64(ino), inode.encode(), db=self.inodes)
 
     def settle(self, ino: int, expect_key: str, done: int, **changes: object) -> Inode | None:
         """After a promotion: clear ``done`` flags and apply ``changes`` if the
