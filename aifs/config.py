@@ -90,8 +90,9 @@ class Config:
                                   "are packed into pack objects (dataset and default "
                                   "policies; at most block_size); 0 packs nothing.", "size")
     pack_size: int = _option(parse_size("64M"), "Target size of a pack object.", "size")
-    pack_wait: float = _option(2.0, "Seconds small files wait for more to share their pack "
-                               "(a full pack goes at once).", "float")
+    pack_wait: float = _option(2.0, "Seconds without a new small file before a pack that "
+                               "is not full is put (at most ten times this after its first "
+                               "file); a full pack goes at once.", "float")
     pack_compact_below: float = _option(0.5, "Packs whose live share falls below this are "
                                         "rewritten without their dead bytes (compaction).",
                                         "float")

@@ -201,6 +201,11 @@ class Filesystem:
                     self.meta.update(ino, size=size, mtime_ns=st.st_mtime_ns)
             else:
                 self.local.mark_clean(ino)
+        for ino, inode in pending.items():
+            if inode.pending & DATA and inode.kind == FILE and not inode.size \
+                    and not self.local.has(ino):
+                self.local.create(ino)  # created, the daemon killed before its copy was
+                self.local.mark_dirty(ino)
         if pending:
             log.info("%d inodes have changes not yet in the lake: promoting them",
                      len(pending))
@@ -437,6 +442,7 @@ class Filesystem:
             updates["gid"] = changes.gid
         if changes.mtime_ns is not None:
             updates["mtime_ns"] = changes.mtime_ns
+            self._dir_times.pop(ino, None)  # an explicit time beats a batched one
             if ino in self._written:
                 self._written[ino] = (self._written[ino][0], changes.mtime_ns)
                 self._unsaved.discard(ino)  # saved with the other changes below

@@ -79,7 +79,7 @@ def test_twenty_thousand_small_files_reach_a_second_mount(lake, mounter, aifs_cl
     """20,000 files of 1-64 KiB through one mount: at most one pack per 500 files
     in the lake, every byte the same through a second mount with its own cache."""
     files = small_files(20_000, seed=5)
-    writer = mounter(lake, "--pack-wait", "1", name="writer")
+    writer = mounter(lake, name="writer")
     write_files(writer.path, files)
     sync(aifs_cli, writer.path)
     plain, packs, journals = lake_layout(lake)

@@ -43,6 +43,7 @@ from aifs.meta.store import DATA, Inode, MetaStore
 log = logging.getLogger(__name__)
 
 JOURNALS_AT_ONCE = 16
+MAX_WAITS = 10  # a pack being filled goes after at most this many pack_wait
 
 
 class Owner(Protocol):
@@ -147,7 +148,8 @@ class Packer:
         self._queue: dict[int, int] = {}  # ino -> change count when handed over
         self._inflight: set[int] = set()  # ... and those in a pack being published
         self._queued_bytes = 0
-        self._oldest: float | None = None
+        self._oldest: float | None = None  # when the oldest file waiting came
+        self._newest: float | None = None  # ... and the newest
         self._forced = False
         self._counter = 0
         self._wake = trio.Event()
@@ -167,8 +169,10 @@ class Packer:
         if inode.ino not in self._queue:
             self._queued_bytes += inode.size
         self._queue[inode.ino] = version
+        now = trio.current_time()
         if self._oldest is None:
-            self._oldest = trio.current_time()
+            self._oldest = now
+        self._newest = now
         self._forced |= force
         self._wake.set()
 
@@ -177,8 +181,10 @@ class Packer:
 
     def publish_soon(self) -> None:
         """Changes without data are queued: publish them with the next journal."""
+        now = trio.current_time()
         if self._oldest is None:
-            self._oldest = trio.current_time()
+            self._oldest = now
+        self._newest = now
         self._wake.set()
 
     def hurry(self) -> None:
@@ -221,8 +227,11 @@ class Packer:
         async with trio.open_nursery() as nursery:
             while True:
                 due = math.inf
-                if self._oldest is not None:
-                    due = self._oldest + self.config.pack_wait
+                if self._oldest is not None and self._newest is not None:
+                    # While files keep coming, a pack fills up (for at most
+                    # MAX_WAITS waits); once they stop, it goes after one wait.
+                    wait = self.config.pack_wait
+                    due = min(self._newest + wait, self._oldest + MAX_WAITS * wait)
                 if self._forced or self._queued_bytes >= self.config.pack_size:
                     due = trio.current_time()
                 if due <= trio.current_time():
@@ -248,7 +257,7 @@ class Packer:
             batch[ino] = self._queue.pop(ino)
             size += length
         self._queued_bytes = max(0, self._queued_bytes - size)
-        self._oldest = trio.current_time() if self._queue else None
+        self._oldest = self._newest = trio.current_time() if self._queue else None
         return batch
 
     async def _publish_task(self, batch: dict[int, int]) -> None:

@@ -251,6 +251,11 @@ class Promoter:
             return False
         version = self.host.change_count(ino)
         key = inode.key
+        if inode.pending & DATA and inode.kind != LINK and not self.files.has(ino):
+            log.error("%s: local copy of inode %d is missing; it cannot be promoted",
+                      inode.key, ino)
+            self.meta.update(ino, pending=inode.pending & ~DATA)
+            return False
         if inode.pending & DATA and self.host.packable(inode):
             if inode.etag and inode.etag != MAYBE_IN_LAKE:
                 await self._warn_if_replaced(inode)
@@ -348,11 +353,6 @@ class Promoter:
         if inode.kind == LINK:
             data = inode.target.encode("utf-8", "surrogateescape")
             return await self._put(inode.key, data, metadata)
-        if not self.files.has(inode.ino):
-            log.error("%s: local copy of inode %d is missing; it cannot be promoted",
-                      inode.key, inode.ino)
-            self.meta.update(inode.ino, pending=inode.pending & ~DATA)
-            return None
         path = self.files.path(inode.ino)
         size = await trio.to_thread.run_sync(os.path.getsize, path)
         if self.streams.active(inode.ino):

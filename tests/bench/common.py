@@ -6,6 +6,8 @@ import contextlib
 import json
 import math
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,15 @@ def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.
     if kind == "moto":
         return stack.enter_context(conftest.moto_process())
     return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
+
+
+def aifs_sync(path: Path, timeout: float) -> None:
+    """``aifs sync PATH`` as a user runs it; fails loudly if it fails or hangs."""
+    result = subprocess.run([sys.executable, "-m", "aifs", "sync", "--quiet", str(path)],
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"aifs sync {path} exited with {result.returncode}: "
+                           f"{result.stderr.strip()}")
 
 
 def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,

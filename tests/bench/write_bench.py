@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import bench_lake, boto3_multipart  # noqa: E402
+from common import aifs_sync, bench_lake, boto3_multipart  # noqa: E402
 from conftest import delete_prefix  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -73,15 +73,6 @@ def timed_creates(directory: Path, count: int, size: int) -> float:
     for i in range(count):
         write_file(directory / f"f{i:06d}", i, size)
     return time.perf_counter() - start
-
-
-def aifs_sync(path: Path, timeout: float) -> None:
-    """``aifs sync PATH`` as a user runs it; fails loudly if it fails or hangs."""
-    result = subprocess.run([sys.executable, "-m", "aifs", "sync", "--quiet", str(path)],
-                            capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"aifs sync {path} exited with {result.returncode}: "
-                           f"{result.stderr.strip()}")
 
 
 def cli_startup() -> float:

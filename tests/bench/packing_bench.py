@@ -1,0 +1,227 @@
+"""Small-file packing benchmark: many small files created through one mount,
+promoted as packs, and read back through a second mount with an empty cache.
+Every figure is measured in the same run as its baselines: the same creates on
+the local cache disk, and one boto3 GET per file from the same server (on a
+random sample of plain objects put there with boto3; on the local lake, reads
+of the files from the local disk).
+
+    python tests/bench/packing_bench.py --lake local|moto|ceph [--files 100000]
+                                        [--file-size 16K] [--sample 3000] [--threads 8]
+
+Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
+from common import aifs_sync, bench_lake  # noqa: E402
+
+from aifs.config import parse_size  # noqa: E402
+
+MiB = 1 << 20
+POOL = os.urandom(4 * MiB)
+
+
+def content(i: int, size: int) -> bytes:
+    start = (i * 7919) % (len(POOL) - size)
+    return POOL[start:start + size]
+
+
+def name_of(i: int) -> str:
+    return f"d{i // 10_000:02d}/s{i:06d}.dat"
+
+
+def create_all(root: Path, count: int, size: int) -> float:
+    for directory in sorted({os.path.dirname(name_of(i)) for i in range(count)}):
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for i in range(count):
+        with open(root / name_of(i), "wb", buffering=0) as fp:
+            fp.write(content(i, size))
+    return time.perf_counter() - start
+
+
+def read_all(root: Path, names: list[str], threads: int) -> tuple[float, int]:
+    """Seconds to read every file (``threads`` readers, like DataLoader workers),
+    and how many had other bytes than written."""
+    def one(name: str) -> bool:
+        with open(root / name, "rb", buffering=0) as fp:
+            data = fp.read()
+        i = int(name.rsplit("s", 1)[1].split(".")[0])
+        return data == content(i, len(data)) and len(data) > 0
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        good = sum(pool.map(one, names, chunksize=64))
+    return time.perf_counter() - start, len(names) - good
+
+
+def metrics(mountpoint: Path) -> dict:
+    return json.loads(os.getxattr(mountpoint, "user.aifs.metrics"))
+
+
+def boto3_gets(server: conftest.S3Server, bucket: str, keys: list[str],
+               threads: int) -> float:
+    def get(key: str) -> int:
+        return len(server.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(get, keys))
+    return time.perf_counter() - start
+
+
+def boto3_puts(server: conftest.S3Server, bucket: str, items: dict[str, bytes],
+               threads: int) -> None:
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda kv: server.client.put_object(Bucket=bucket, Key=kv[0],
+                                                          Body=kv[1]), items.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lake", choices=["local", "moto", "ceph"], default="local")
+    parser.add_argument("--files", type=int, default=100_000)
+    parser.add_argument("--file-size", default="16K")
+    parser.add_argument("--sample", type=int, default=3000,
+                        help="files of the boto3 GET baseline (a random sample)")
+    parser.add_argument("--threads", type=int, default=8,
+                        help="readers at once, through the mount and with boto3")
+    parser.add_argument("--sync-timeout", type=float, default=3600)
+    parser.add_argument("--json", help="write results here too")
+    args = parser.parse_args()
+    size = parse_size(args.file_size)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    work = Path(tempfile.mkdtemp(prefix="aifs-pbench-", dir="/var/tmp"))
+    results: dict[str, float] = {}
+    stops: list = []
+    mounts: list[conftest.Mount] = []
+    failed = True
+    try:
+        lake, server = bench_lake(args.lake, work, stops, 3 * args.files * size, "p")
+        cache = str(4 * args.files * size + 1024 * MiB)
+        common = ["--cache-size", cache, "--log-level", "warning"]
+        names = [name_of(i) for i in range(args.files)]
+
+        local_dir = work / "local"
+        os.sync()
+        results["local_creates_s"] = create_all(local_dir, args.files, size)
+
+        writer = conftest.Mount(lake, work / "mnt-w", work / "cache-w", work / "w.log", common)
+        mounts.append(writer)
+        (writer.path / "ds").mkdir()
+        aifs_sync(writer.path, args.sync_timeout)
+        before = metrics(writer.path)
+        os.sync()
+        start = time.perf_counter()
+        create_all(writer.path / "ds", args.files, size)
+        closed = time.perf_counter()
+        aifs_sync(writer.path, args.sync_timeout)
+        in_lake = time.perf_counter()
+        after = metrics(writer.path)
+        results["aifs_creates_s"] = closed - start
+        results["aifs_close_to_lake_s"] = in_lake - closed
+        results["aifs_open_to_lake_s"] = in_lake - start
+        results["put_requests"] = (after["lake"]["requests"].get("PutObject", 0)
+                                   - before["lake"]["requests"].get("PutObject", 0))
+        writer.unmount()
+        mounts.remove(writer)
+        objects = conftest.lake_objects(lake)
+        results["pack_objects"] = sum(1 for k in objects if k.startswith(conftest.PACKS)
+                                      and not k.endswith("/"))
+        results["journal_objects"] = sum(1 for k in objects if k.startswith(conftest.JOURNALS)
+                                         and not k.endswith("/"))
+        results["plain_objects"] = sum(1 for k in objects if k.startswith("ds/")
+                                       and not k.endswith("/"))
+
+        reader = conftest.Mount(lake, work / "mnt-r", work / "cache-r", work / "r.log", common)
+        mounts.append(reader)
+        order = list(names)
+        random.Random(1).shuffle(order)  # an epoch's order: no help from the file order
+        seconds, wrong = read_all(reader.path / "ds", order, args.threads)
+        if wrong:
+            raise RuntimeError(f"{wrong} files read back with other bytes")
+        results["aifs_read_all_s"] = seconds
+        results["aifs_read_gets"] = metrics(reader.path)["lake"]["requests"].get(
+            "GetObject", 0)
+        reader.unmount()
+        mounts.remove(reader)
+
+        sample = random.Random(2).sample(range(args.files), min(args.sample, args.files))
+        if server:
+            items = {f"{lake.prefix}plain/{name_of(i)}": content(i, size) for i in sample}
+            boto3_puts(server, lake.bucket, items, args.threads)
+            results["baseline_gets_s"] = boto3_gets(server, lake.bucket, list(items),
+                                                    args.threads)
+            results["baseline"] = "boto3 GET per file"
+        else:
+            os.sync()
+            start = time.perf_counter()
+            read_all(local_dir, [name_of(i) for i in sample], args.threads)
+            results["baseline_gets_s"] = time.perf_counter() - start
+            results["baseline"] = "local disk read per file"
+        results["baseline_files"] = len(sample)
+        results.update(files=args.files, file_size=size, threads=args.threads)
+        failed = False
+    finally:
+        for mount in mounts:
+            mount.kill()
+        for name in ("mnt-w", "mnt-r"):
+            if os.path.ismount(work / name):
+                subprocess.run(["fusermount3", "-u", "-z", str(work / name)], check=False)
+        if failed:
+            for log in ("w.log", "r.log"):
+                if (work / log).exists():
+                    print(f"--- tail of {log} ---\n" + (work / log).read_text(
+                        errors="replace")[-3000:], file=sys.stderr)
+        for stop in stops:
+            stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report(args, results)
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def report(args: argparse.Namespace, r: dict) -> None:
+    n = r["files"]
+    local_rate = n / r["local_creates_s"]
+    create_rate = n / r["aifs_creates_s"]
+    read_rate = n / r["aifs_read_all_s"]
+    base_rate = r["baseline_files"] / r["baseline_gets_s"]
+    print(f"| {args.lake} | local disk: create {n:,} files | {r['local_creates_s']:.1f} s | "
+          f"{local_rate:,.0f} /s | 1.00 |")
+    print(f"| {args.lake} | aifs: create {n:,} files | {r['aifs_creates_s']:.1f} s | "
+          f"**{create_rate:,.0f} /s** | {create_rate / local_rate:.2f} x local |")
+    print(f"| {args.lake} | aifs: last close until all in the lake | "
+          f"{r['aifs_close_to_lake_s']:.1f} s | {r['put_requests']} PUTs "
+          f"({r['pack_objects']} packs, {r['journal_objects']} journals, "
+          f"{r['plain_objects']} plain objects) | |")
+    print(f"| {args.lake} | aifs: read all through a second mount, empty cache "
+          f"({args.threads} readers) | {r['aifs_read_all_s']:.1f} s | **{read_rate:,.0f} "
+          f"files/s** ({r['aifs_read_gets']} GETs) | {read_rate / base_rate:.1f} x "
+          f"{r['baseline']} |")
+    print(f"| {args.lake} | {r['baseline']} ({r['baseline_files']:,} random files, "
+          f"{args.threads} threads) | {r['baseline_gets_s']:.1f} s | {base_rate:,.0f} "
+          f"files/s | 1.00 |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
