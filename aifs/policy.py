@@ -26,6 +26,7 @@ then what commits them):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -112,16 +113,27 @@ class Policies:
                    tuple(m for m in markers if m), tuple(s for s in staging if s))
 
     def by_rules(self, path: str) -> str:
-        for pattern, policy in self.rules:
-            if matches(pattern, path):
-                return policy
-        return DEFAULT
+        first = self._rules.first(path)
+        return self.rules[first][1] if first is not None else DEFAULT
 
     def is_marker(self, path: str) -> bool:
-        return any(matches(pattern, path) for pattern in self.markers)
+        return self._markers.first(path) is not None
 
     def is_staging(self, path: str) -> bool:
-        return any(matches(pattern, path) for pattern in self.staging)
+        return self._staging.first(path) is not None
+
+    @functools.cached_property
+    def _rules(self) -> PatternSet:
+        return PatternSet(tuple(pattern for pattern, _ in self.rules))
+
+    @functools.cached_property
+    def _markers(self) -> PatternSet:
+        return PatternSet(self.markers)
+
+    @functools.cached_property
+    def _staging(self) -> PatternSet:
+        return PatternSet(self.staging)
+
 
     def unit_of(self, path: str) -> str | None:
         """The checkpoint a checkpoint file belongs to, as a path: its nearest
@@ -137,3 +149,32 @@ class Policies:
         if fnmatch.fnmatchcase(parts[-1], "*.distcp"):
             return "/".join(parts[:-1])
         return path
+
+
+class PatternSet:
+    """Patterns matched the way :func:`matches` matches one, all at once: three
+    combined regexes (names, directories, whole paths) instead of one regex
+    per pattern, since every file's policy is looked up when it is opened."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        kinds: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for index, pattern in enumerate(patterns):
+            if pattern.endswith("/"):
+                kind, text = 1, pattern[:-1]
+            elif "/" not in pattern:
+                kind, text = 0, pattern
+            else:
+                kind, text = 2, pattern.lstrip("/")
+            kinds[kind].append(f"(?P<p{index}>{fnmatch.translate(text)})")
+        self.names, self.directories, self.paths = (
+            re.compile("|".join(k)) if k else None for k in kinds)
+
+    def first(self, path: str) -> int | None:
+        """The index of the first pattern that matches ``path`` (None: none)."""
+        parts = path.split("/")
+        found = [self.names.match(parts[-1]) if self.names else None,
+                 self.paths.match(path) if self.paths else None]
+        if self.directories is not None:
+            found += [self.directories.match(part) for part in parts[:-1]]
+        indexes = [int(m.lastgroup[1:]) for m in found if m is not None and m.lastgroup]
+        return min(indexes) if indexes else None
