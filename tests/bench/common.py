@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,35 @@ def bench_lake(kind: str, work: Path, stops: list, need_bytes: int,
     server.client.create_bucket(Bucket=lake.bucket)
     return lake, server
 
+
+@contextlib.contextmanager
+def fuse_floor(mountpoint: Path):
+    """The do-nothing pyfuse3 filesystem of ``fuse_floor.py`` mounted at
+    ``mountpoint`` for the block; unmounted (and its process gone) after it."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fuse_floor.py")),
+                                str(mountpoint)])
+    try:
+        conftest.wait_for(lambda: os.path.ismount(mountpoint) or process.poll() is not None,
+                          30, "the floor filesystem to mount")
+        if process.poll() is not None:
+            raise RuntimeError(f"fuse_floor.py exited with {process.returncode}")
+        yield mountpoint
+    finally:
+        if os.path.ismount(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def drop_kernel_caches() -> None:
+    """Forget cached pages, dentries and inodes (root only), so that reads through
+    a mount that stays mounted reach its daemon as a fresh mount's would."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
 def finish(work: Path, stops: list, results: dict, json_path: str | None) -> None:

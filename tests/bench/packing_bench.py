@@ -3,7 +3,9 @@ promoted as packs, and read back through a second mount with an empty cache.
 Every figure is measured in the same run as its baselines: the same creates on
 the local cache disk, and one boto3 GET per file from the same server (on a
 random sample of plain objects put there with boto3; on the local lake, reads
-of the files from the local disk).
+of the files from the local disk). The same create and read loops also run
+through a do-nothing pyfuse3 filesystem (``fuse_floor.py``), the floor any
+pyfuse3 daemon stands on here.
 
     python tests/bench/packing_bench.py --lake local|moto|ceph [--files 100000]
                                         [--file-size 16K] [--sample 3000] [--threads 8]
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import aifs_sync, bench_lake  # noqa: E402
+from common import aifs_sync, bench_lake, drop_kernel_caches, fuse_floor  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -122,6 +124,16 @@ def main() -> int:
         local_dir = work / "local"
         os.sync()
         results["local_creates_s"] = create_all(local_dir, args.files, size)
+        order = list(names)
+        random.Random(1).shuffle(order)  # an epoch's order: no help from the file order
+
+        with fuse_floor(work / "mnt-floor") as floor:
+            results["floor_creates_s"] = create_all(floor, args.files, size)
+            drop_kernel_caches()
+            results["floor_read_all_s"], wrong = read_all(floor, order, args.threads)
+            if wrong:
+                raise RuntimeError(f"{wrong} files read back from the floor filesystem "
+                                   "with other bytes")
 
         writer = conftest.Mount(lake, work / "mnt-w", work / "cache-w", work / "w.log", common)
         mounts.append(writer)
@@ -152,8 +164,6 @@ def main() -> int:
 
         reader = conftest.Mount(lake, work / "mnt-r", work / "cache-r", work / "r.log", common)
         mounts.append(reader)
-        order = list(names)
-        random.Random(1).shuffle(order)  # an epoch's order: no help from the file order
         seconds, wrong = read_all(reader.path / "ds", order, args.threads)
         if wrong:
             raise RuntimeError(f"{wrong} files read back with other bytes")
@@ -210,6 +220,10 @@ def report(args: argparse.Namespace, r: dict) -> None:
           f"{local_rate:,.0f} /s | 1.00 |")
     print(f"| {args.lake} | aifs: create {n:,} files | {r['aifs_creates_s']:.1f} s | "
           f"**{create_rate:,.0f} /s** | {create_rate / local_rate:.2f} x local |")
+    floor_create = n / r["floor_creates_s"]
+    print(f"| {args.lake} | do-nothing pyfuse3 filesystem: create {n:,} files | "
+          f"{r['floor_creates_s']:.1f} s | {floor_create:,.0f} /s | aifs is "
+          f"{create_rate / floor_create:.2f} x this |")
     print(f"| {args.lake} | aifs: last close until all in the lake | "
           f"{r['aifs_close_to_lake_s']:.1f} s | {r['put_requests']} PUTs "
           f"({r['pack_objects']} packs, {r['journal_objects']} journals, "
@@ -218,6 +232,11 @@ def report(args: argparse.Namespace, r: dict) -> None:
           f"({args.threads} readers) | {r['aifs_read_all_s']:.1f} s | **{read_rate:,.0f} "
           f"files/s** ({r['aifs_read_gets']} GETs) | {read_rate / base_rate:.1f} x "
           f"{r['baseline']} |")
+    floor_read = n / r["floor_read_all_s"]
+    print(f"| {args.lake} | do-nothing pyfuse3 filesystem: read all, kernel caches "
+          f"dropped ({args.threads} readers) | {r['floor_read_all_s']:.1f} s | "
+          f"{floor_read:,.0f} files/s | aifs is {read_rate / floor_read:.2f} x this, "
+          f"this is {floor_read / base_rate:.1f} x {r['baseline']} |")
     print(f"| {args.lake} | {r['baseline']} ({r['baseline_files']:,} random files, "
           f"{args.threads} threads) | {r['baseline_gets_s']:.1f} s | {base_rate:,.0f} "
           f"files/s | 1.00 |")

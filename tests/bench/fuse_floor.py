@@ -1,0 +1,102 @@
+"""A do-nothing pyfuse3 filesystem that keeps files in memory: the floor cost of
+one FUSE request through the kernel, pyfuse3 and trio on this machine. The
+benchmarks run the same create and read loops through it beside aifs, so a
+per-file figure can be read against what any pyfuse3 daemon could reach.
+
+    python tests/bench/fuse_floor.py MOUNTPOINT    (serves until unmounted)
+"""
+
+from __future__ import annotations
+
+import stat
+import sys
+
+import pyfuse3
+import trio
+
+TIMEOUT = 300.0  # like a long aifs metadata TTL: a warm stat never reaches Python
+
+
+class FloorFS(pyfuse3.Operations):
+    """Files and directories in dicts; no checks beyond what the loops need."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.children: dict[tuple[int, bytes], int] = {}
+        self.modes: dict[int, int] = {pyfuse3.ROOT_INODE: stat.S_IFDIR | 0o755}
+        self.data: dict[int, bytearray] = {}
+        self.next_ino = pyfuse3.ROOT_INODE + 1
+
+    def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = ino
+        entry.st_mode = self.modes[ino]
+        entry.st_nlink = 1
+        entry.st_size = len(self.data.get(ino, b""))
+        entry.st_blksize = 1 << 20
+        entry.entry_timeout = entry.attr_timeout = TIMEOUT
+        return entry
+
+    def _new(self, parent: int, name: bytes, mode: int) -> int:
+        ino = self.next_ino
+        self.next_ino += 1
+        self.children[(parent, name)] = ino
+        self.modes[ino] = mode
+        return ino
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        return self._entry(inode)
+
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        ino = self.children.get((parent_inode, name))
+        if ino is None:
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0
+            negative.entry_timeout = TIMEOUT
+            return negative
+        return self._entry(ino)
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self._new(parent_inode, name, stat.S_IFDIR | 0o755))
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        ino = self._new(parent_inode, name, stat.S_IFREG | 0o644)
+        self.data[ino] = bytearray()
+        return pyfuse3.FileInfo(fh=ino), self._entry(ino)
+
+    async def open(self, inode: int, flags: int,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        return pyfuse3.FileInfo(fh=inode)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        data = self.data[fh]
+        data[off:off + len(buf)] = buf
+        return len(buf)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return bytes(self.data[fh][off:off + size])
+
+    async def flush(self, fh: int) -> None:
+        return None
+
+    async def release(self, fh: int) -> None:
+        return None
+
+
+def main() -> None:
+    options = set(pyfuse3.default_options)
+    options.add("fsname=fuse-floor")
+    pyfuse3.init(FloorFS(), sys.argv[1], options)
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        pyfuse3.close()
+
+
+if __name__ == "__main__":
+    main()
