@@ -118,13 +118,15 @@ class LocalFiles:
         return fd
 
     def _close_extra(self) -> None:
-        if len(self._fds) <= self.max_open:
-            return
-        for ino in list(self._fds):
-            if len(self._fds) <= self.max_open:
-                break
-            if not self.in_use(ino):
-                os.close(self._fds.pop(ino))
+        """Close the least recently used descriptors over ``max_open`` (those of
+        files open through the mount stay)."""
+        while len(self._fds) > self.max_open:
+            for ino in self._fds:  # oldest first; no copy of the whole table
+                if not self.in_use(ino):
+                    break
+            else:
+                return
+            os.close(self._fds.pop(ino))
 
     def start_spares(self) -> None:
         """Keep a few empty files made ahead (in a thread of their own)."""

@@ -170,11 +170,13 @@ class Packer:
             self._queued_bytes += inode.size
         self._queue[inode.ino] = version
         now = trio.current_time()
-        if self._oldest is None:
+        idle = self._oldest is None
+        if idle:
             self._oldest = now
         self._newest = now
         self._forced |= force
-        self._wake.set()
+        if idle or force or self._queued_bytes >= self.config.pack_size:
+            self._wake.set()  # else the pack's time only moved later: no hurry to look
 
     def queued(self, ino: int) -> bool:
         return ino in self._queue or ino in self._inflight

@@ -40,6 +40,7 @@ MIN_PART = 5 * MiB
 MAX_PART = 5 << 30
 MAX_PARTS = 10_000
 PARTS_PER_STEP = 1000  # the part size doubles every this many parts
+WAKE_TICK = 0.02  # seconds: the promotion loop's timer granularity
 
 
 def part_size(number: int, base: int) -> int:
@@ -106,6 +107,7 @@ class Promoter:
         self._deleting = False
         self._delete_failures: tuple[int, str, float] = (0, "", 0.0)
         self._wake = trio.Event()
+        self._sleeps_until = -math.inf  # when the loop wakes by itself
         self._progress = trio.Event()
         self._slots = trio.Semaphore(max(1, config.promote_workers))
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
@@ -131,7 +133,8 @@ class Promoter:
             heapq.heappush(self._heap, (due, ino))
         if force:
             self._forced.add(ino)
-        self._wake.set()
+        if due < self._sleeps_until:  # else the loop is up by then anyway
+            self._wake.set()
 
     def tombstones_changed(self, delay: float = 0.0) -> None:
         due = trio.current_time() + delay
@@ -177,8 +180,13 @@ class Promoter:
                 wake_at = self._heap[0][0] if self._heap and self._slots.value else math.inf
                 if self._tombs_due is not None and not self._deleting:
                     wake_at = min(wake_at, self._tombs_due)
+                # Files closed a few ms apart fall due together: one wake-up for all.
+                if wake_at < math.inf:
+                    wake_at = math.ceil(wake_at / WAKE_TICK) * WAKE_TICK
+                self._sleeps_until = wake_at
                 with trio.move_on_at(wake_at):
                     await self._wake.wait()
+                self._sleeps_until = -math.inf
                 self._wake = trio.Event()
 
     # -- one inode ------------------------------------------------------------
