@@ -829,10 +829,10 @@ class Filesystem:
 
     def _pack_version(self, version: ObjectVersion) -> ObjectVersion | None:
         """The whole pack a packed file's bytes are in (None: its size is unknown)."""
-        info = self.packs.pack_info(version.source[len(pack_key("")):])
-        if not info or not info.get("size"):
+        size = self.packs.pack_size(version.source[len(pack_key("")):])
+        if size is None:
             return None
-        return ObjectVersion(version.source, "", info["size"], version.policy, version.pinned)
+        return ObjectVersion(version.source, "", size, version.policy, version.pinned)
 
     async def _packed_bytes(self, version: ObjectVersion) -> bytes:
         """A packed file's bytes, verified. A range GET of them alone, unless

@@ -113,6 +113,7 @@ class PackIndex:
         self.journals = self.env.open_db(b"journal")
         self.outbox = self.env.open_db(b"outbox")
         self.sys = meta.sys
+        self._sizes: dict[str, int] = {}  # pack id -> size, see pack_size
 
     # -- reads ----------------------------------------------------------------
     def entry(self, key: str) -> PackedEntry | None:
@@ -193,6 +194,19 @@ class PackIndex:
         with self.env.begin() as txn:
             raw = txn.get(pack.encode(), db=self.packs)
         return json.loads(raw) if raw else None
+
+    def pack_size(self, pack: str) -> int | None:
+        """The size of a pack object (None: unknown). Packs never change once
+        put, so a size once read is remembered: every read of a packed file
+        asks for it."""
+        size = self._sizes.get(pack)
+        if size is None:
+            size = (self.pack_info(pack) or {}).get("size") or None
+            if size is not None:
+                if len(self._sizes) >= 65_536:
+                    self._sizes.clear()
+                self._sizes[pack] = size
+        return size
 
     def all_packs(self) -> dict[str, dict[str, Any]]:
         with self.env.begin() as txn:
