@@ -79,3 +79,13 @@ def test_queued_changes_wait_in_the_outbox(tmp_path):
     idx.queue([put("k2", "p", 10, 10, 6)])
     idx.drop_outbox(last)  # the first was published; the second was queued since
     assert idx.outbox_records()[0] == [put("k2", "p", 10, 10, 6)]
+
+
+def test_pack_size_is_known_once_its_record_is_applied(tmp_path):
+    idx = index(tmp_path)
+    assert idx.pack_size("p") is None  # not known yet: not remembered either
+    idx.apply([{"op": "pack", "pack": "p", "size": 300, "t": 1}, put("k", "p", 0, 300, 1)])
+    assert idx.pack_size("p") == 300
+    idx.apply([deletion("k", 2)])  # a pack's size stays what was put, live or not
+    assert idx.pack_size("p") == 300
+    assert idx.pack_size("other") is None
