@@ -175,8 +175,12 @@ class Packer:
             self._oldest = now
         self._newest = now
         self._forced |= force
-        if idle or force or self._queued_bytes >= self.config.pack_size:
+        if idle or self._must_go_now():
             self._wake.set()  # else the pack's time only moved later: no hurry to look
+
+    def _must_go_now(self) -> bool:
+        """A pack goes without waiting: asked for (sync), or full."""
+        return self._forced or self._queued_bytes >= self.config.pack_size
 
     def queued(self, ino: int) -> bool:
         return ino in self._queue or ino in self._inflight
@@ -234,7 +238,7 @@ class Packer:
                     # MAX_WAITS waits); once they stop, it goes after one wait.
                     wait = self.config.pack_wait
                     due = min(self._newest + wait, self._oldest + MAX_WAITS * wait)
-                if self._forced or self._queued_bytes >= self.config.pack_size:
+                if self._must_go_now():
                     due = trio.current_time()
                 if due <= trio.current_time():
                     await self._uploads.acquire()
