@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import bench_lake, boto3_multipart, finish  # noqa: E402
+from common import bench_lake, boto3_multipart, drop_kernel_caches, finish  # noqa: E402
 from conftest import delete_prefix, file_digest  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -105,14 +105,8 @@ def save_checkpoint(sd: dict[str, torch.Tensor], directory: Path, index: int,
     return saved - start, time.perf_counter() - start
 
 
-def drop_page_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fp:
-        fp.write("3\n")
-
-
 def timed_restore(path: Path, expected: dict[str, torch.Tensor]) -> float:
-    drop_page_cache()
+    drop_kernel_caches()
     start = time.perf_counter()
     loaded = torch.load(path, weights_only=True)
     elapsed = time.perf_counter() - start

@@ -84,11 +84,12 @@ def fuse_floor(mountpoint: Path):
             process.wait()
 
 
-def drop_kernel_caches() -> None:
-    """Forget cached pages, dentries and inodes (root only), so that reads through
-    a mount that stays mounted reach its daemon as a fresh mount's would."""
+def drop_kernel_caches(dentries_too: bool = True) -> None:
+    """Write back, then forget cached file data (root only), and with
+    ``dentries_too`` dentries and inodes as well: reads through a mount that
+    stays mounted then reach its daemon as a fresh mount's would."""
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
+    Path("/proc/sys/vm/drop_caches").write_text("3\n" if dentries_too else "1\n")
 
 
 def finish(work: Path, stops: list, results: dict, json_path: str | None) -> None:

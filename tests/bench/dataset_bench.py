@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import conftest  # noqa: E402
-from common import bench_lake, finish  # noqa: E402
+from common import bench_lake, drop_kernel_caches, finish  # noqa: E402
 
 MiB = 1 << 20
 
@@ -51,14 +51,6 @@ class Samples:
             return len(fp.read())
 
 
-def drop_page_cache() -> None:
-    """Drop file data (not dentries and inodes: a training node keeps those of its
-    dataset in RAM; it is the data that does not fit)."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fp:
-        fp.write("1\n")
-
-
 def epoch(root: Path, count: int, workers: int, seed: int, drop: bool = True) -> float:
     import torch
     from torch.utils.data import DataLoader
@@ -66,7 +58,7 @@ def epoch(root: Path, count: int, workers: int, seed: int, drop: bool = True) ->
                         num_workers=workers, generator=torch.Generator().manual_seed(seed),
                         persistent_workers=False)
     if drop:
-        drop_page_cache()
+        drop_kernel_caches(dentries_too=False)  # a training node keeps its dataset's inodes
     start = time.perf_counter()
     total = sum(int(batch.sum()) for batch in loader)
     assert total > 0

@@ -26,17 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers and mount helper)
+from common import drop_kernel_caches  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fp:
-        fp.write("3\n")
 
 
 def timed_read(path: Path) -> float:
@@ -114,11 +109,11 @@ def main() -> int:
         # here is noisy); the report gives medians.
         runs: dict[str, list[float]] = {}
         for rep in range(args.reps):
-            drop_page_cache()
+            drop_kernel_caches()
             runs.setdefault("local_disk_s", []).append(timed_read(data_file))
             runs.setdefault("page_cache_s", []).append(timed_read(data_file))
             if server:
-                drop_page_cache()
+                drop_kernel_caches()
                 runs.setdefault("boto3_parallel_s", []).append(boto3_parallel(
                     server, lake.bucket, f"b/{args.name}", size, block, parallel))
                 runs.setdefault("boto3_stream_s", []).append(
@@ -126,13 +121,13 @@ def main() -> int:
             cache = work / f"cache-{rep}"
             mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
-                drop_page_cache()
+                drop_kernel_caches()
                 runs.setdefault("aifs_cold_s", []).append(timed_read(mount.path / args.name))
             finally:
                 mount.unmount()
             mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
-                drop_page_cache()
+                drop_kernel_caches()
                 runs.setdefault("aifs_nvme_s", []).append(timed_read(mount.path / args.name))
                 runs.setdefault("aifs_warm_s", []).append(timed_read(mount.path / args.name))
             finally:
