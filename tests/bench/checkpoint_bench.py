@@ -50,7 +50,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import bench_lake, boto3_multipart, drop_kernel_caches, finish  # noqa: E402
+from common import (  # noqa: E402
+    FuseDaemon,
+    bench_lake,
+    boto3_multipart,
+    drop_kernel_caches,
+    finish,
+)
 from conftest import delete_prefix, file_digest  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -334,44 +340,18 @@ def ensure_s3fs() -> str | None:
     return shutil.which("s3fs")
 
 
-class S3fsMount:
+class S3fsMount(FuseDaemon):
     """``s3fs BUCKET MNT -f`` (defaults otherwise: 10 MB parts, 5 in parallel)."""
 
     def __init__(self, binary: str, server: conftest.S3Server, bucket: str, mountpoint: Path,
                  work: Path) -> None:
-        self.path = mountpoint
-        mountpoint.mkdir(parents=True, exist_ok=True)
         passwd = work / "s3fs.passwd"
         passwd.write_text(f"{server.env['AWS_ACCESS_KEY_ID']}:"
                           f"{server.env['AWS_SECRET_ACCESS_KEY']}\n")
         passwd.chmod(0o600)
-        self.log = work / "s3fs.log"
-        self.command = [binary, bucket, str(mountpoint), "-f", "-o",
-                        f"url={server.endpoint},use_path_request_style,passwd_file={passwd}"]
-        with open(self.log, "ab") as fp:
-            self.proc = subprocess.Popen(self.command, stdout=fp, stderr=subprocess.STDOUT)
-        try:
-            conftest.wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
-                              30, "s3fs mount")
-        except AssertionError:
-            self.stop()
-            raise
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"s3fs exited with {self.proc.returncode}: "
-                               f"{self.log.read_text(errors='replace')[-2000:]}")
-
-    def stop(self) -> None:
-        if os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", str(self.path)], check=False,
-                           capture_output=True)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False,
-                           capture_output=True)
+        command = [binary, bucket, str(mountpoint), "-f", "-o",
+                   f"url={server.endpoint},use_path_request_style,passwd_file={passwd}"]
+        super().__init__(command, mountpoint, work / "s3fs.log", "s3fs")
 
 
 def emulated_write_through_loop(sd: dict[str, torch.Tensor], server: conftest.S3Server,

@@ -61,27 +61,52 @@ def bench_lake(kind: str, work: Path, stops: list, need_bytes: int,
     return lake, server
 
 
+class FuseDaemon:
+    """A FUSE daemon other than aifs (those go through ``conftest.Mount``) run in
+    the foreground: started and waited for until it serves ``mountpoint``;
+    :meth:`stop` unmounts it and reaps the process, lazily if it will not go."""
+
+    def __init__(self, command: list[str], mountpoint: Path, log: Path | None,
+                 what: str) -> None:
+        self.path = mountpoint
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") if log else contextlib.nullcontext() as out:
+            self.proc = subprocess.Popen(command, stdout=out,
+                                         stderr=subprocess.STDOUT if out else None)
+        try:
+            conftest.wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
+                              30, f"{what} to mount")
+        except AssertionError:
+            self.stop()
+            raise
+        if self.proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log else ""
+            raise RuntimeError(f"{what} exited with {self.proc.returncode}: {tail}")
+
+    def stop(self) -> None:
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", str(self.path)], check=False,
+                           capture_output=True)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False,
+                           capture_output=True)
+
+
 @contextlib.contextmanager
 def fuse_floor(mountpoint: Path):
     """The do-nothing pyfuse3 filesystem of ``fuse_floor.py`` mounted at
     ``mountpoint`` for the block; unmounted (and its process gone) after it."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fuse_floor.py")),
-                                str(mountpoint)])
+    daemon = FuseDaemon([sys.executable, str(Path(__file__).with_name("fuse_floor.py")),
+                         str(mountpoint)], mountpoint, None, "the do-nothing filesystem")
     try:
-        conftest.wait_for(lambda: os.path.ismount(mountpoint) or process.poll() is not None,
-                          30, "the floor filesystem to mount")
-        if process.poll() is not None:
-            raise RuntimeError(f"fuse_floor.py exited with {process.returncode}")
         yield mountpoint
     finally:
-        if os.path.ismount(mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        daemon.stop()
 
 
 def drop_kernel_caches(dentries_too: bool = True) -> None:
