@@ -146,6 +146,20 @@ def test_changes_to_packed_files_show_in_a_second_mount(lake, mounter, aifs_cli)
         os.path.basename(n) for n in moved)
 
 
+def test_sync_right_after_many_closes_makes_one_pack(lake, mounter, aifs_cli):
+    """`aifs sync` forces the pack while the promoter still hands the files
+    over; the pack waits for them instead of going with a handful."""
+    files = small_files(400, seed=11, low=16 * KiB, high=32 * KiB, dirs=1)
+    mount = mounter(lake, "--pack-wait", "60", name="a")  # no pack goes on a timer
+    write_files(mount.path, files, threads=1)
+    sync(aifs_cli, mount.path)
+    plain, packs, journals = lake_layout(lake)
+    assert plain == []
+    assert len(packs) == 1, f"{len(files)} files synced at once went into {len(packs)} packs"
+    assert len(journals) == 1
+    assert set(lake_packed(lake)) == set(files)
+
+
 def test_compaction_reclaims_space_and_keeps_the_data(lake, mounter, aifs_cli):
     files = small_files(400, seed=9, low=16 * KiB, high=32 * KiB, dirs=1)
     a = mounter(lake, "--pack-gc-grace", "0", "--pack-wait", "60", name="a")

@@ -44,12 +44,15 @@ log = logging.getLogger(__name__)
 
 JOURNALS_AT_ONCE = 16
 MAX_WAITS = 10  # a pack being filled goes after at most this many pack_wait
+HANDOVER_TICK = 0.02  # seconds: how often a pack asked for looks whether files still come
+HANDOVER_LIMIT = 2.0  # seconds: ... and goes without them once none came for this long
 
 
 class Owner(Protocol):
     """What the packer asks of the promoter."""
 
     def change_count(self, ino: int) -> int: ...
+    def handing_over(self) -> bool: ...
     def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None: ...
 
 
@@ -151,6 +154,7 @@ class Packer:
         self._oldest: float | None = None  # when the oldest file waiting came
         self._newest: float | None = None  # ... and the newest
         self._forced = False
+        self._forced_at = 0.0  # when a pack was asked for
         self._counter = 0
         self._wake = trio.Event()
         self._uploads = trio.Semaphore(2)
@@ -174,7 +178,8 @@ class Packer:
         if idle:
             self._oldest = now
         self._newest = now
-        self._forced |= force
+        if force:
+            self._force(now)
         if idle or self._must_go_now():
             self._wake.set()  # else the pack's time only moved later: no hurry to look
 
@@ -194,8 +199,20 @@ class Packer:
         self._wake.set()
 
     def hurry(self) -> None:
-        self._forced = True
+        self._force(trio.current_time())
         self._wake.set()
+
+    def _force(self, now: float) -> None:
+        if not self._forced:
+            self._forced, self._forced_at = True, now
+
+    def _waits_for_handover(self, now: float) -> bool:
+        """A pack asked for (not full) waits, briefly, for the files the
+        promoter is still handing over: `aifs sync` right after many closes
+        then makes one pack, not one per handful of files."""
+        last = max(self._forced_at, self._newest or 0.0)
+        return (self._forced and self._queued_bytes < self.config.pack_size
+                and now - last < HANDOVER_LIMIT and self.owner.handing_over())
 
     def waiting(self) -> bool:
         """Whether anything is waiting to reach a journal."""
@@ -238,9 +255,10 @@ class Packer:
                     # MAX_WAITS waits); once they stop, it goes after one wait.
                     wait = self.config.pack_wait
                     due = min(self._newest + wait, self._oldest + MAX_WAITS * wait)
+                now = trio.current_time()
                 if self._must_go_now():
-                    due = trio.current_time()
-                if due <= trio.current_time():
+                    due = now + HANDOVER_TICK if self._waits_for_handover(now) else now
+                if due <= now:
                     await self._uploads.acquire()
                     batch = self._take()
                     self._inflight.update(batch)

@@ -101,6 +101,7 @@ class Promoter:
         self._heap: list[tuple[float, int]] = []
         self._forced: set[int] = set()
         self._active: set[int] = set()
+        self._deciding: set[int] = set()  # active, not yet handed to the packer or uploading
         self._failures: dict[int, tuple[int, str, float]] = {}  # ino -> (count, why, when)
         self._busy_keys: set[str] = set()
         self._tombs_due: float | None = 0.0
@@ -192,6 +193,7 @@ class Promoter:
     # -- one inode ------------------------------------------------------------
     async def _promote_task(self, ino: int, force: bool) -> None:
         landed = False
+        self._deciding.add(ino)
         try:
             try:
                 landed = await self._promote(ino, force)
@@ -218,12 +220,23 @@ class Promoter:
             self.schedule(ino, 30.0)
         finally:
             self._active.discard(ino)
+            self._deciding.discard(ino)
             self._sent.pop(ino, None)
             self._slots.release()
             if landed:
                 self._unpark()
             self._wake.set()
             self._changed()
+
+    def handing_over(self) -> bool:
+        """Whether files due now may still reach the packer: promotions that
+        have not decided between pack and upload, or due ones not started."""
+        if self._deciding:
+            return True
+        heap = self._heap
+        while heap and self._due.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # stale: the loop would skip it anyway
+        return bool(heap) and heap[0][0] <= trio.current_time()
 
     def _unpark(self) -> None:
         """Something reached the lake: the commit markers waiting look again."""
@@ -267,8 +280,10 @@ class Promoter:
         if inode.pending & DATA and self.host.packable(inode):
             if inode.etag and inode.etag != MAYBE_IN_LAKE:
                 await self._warn_if_replaced(inode)
+            self._deciding.discard(ino)
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
+        self._deciding.discard(ino)
         if inode.pending & DATA:
             info = await self._upload(inode, version)
         else:
