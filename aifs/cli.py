@@ -113,8 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("path", metavar="PATH")
     pack.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
-    gc = sub.add_parser("gc", help="compact sparse packs and delete packs nothing refers to "
-                        "(after pack_gc_grace)")
+    gc = sub.add_parser("gc", help="compact sparse packs, delete packs nothing refers to "
+                        "(after pack_gc_grace) and fold the journals into one")
     gc.add_argument("path", nargs="?", default=".", metavar="PATH")
     return parser
 
@@ -463,7 +463,8 @@ def _gc(path: str) -> int:
         raise AifsError(f"{path}: {exc.strerror} (see the mount's log)") from None
     print(f"aifs gc: {result['packs_compacted']} packs compacted "
           f"({result['entries_moved']} files moved), {result['packs_deleted']} packs "
-          f"deleted, {_size(result['bytes_reclaimed'])} reclaimed")
+          f"deleted, {_size(result['bytes_reclaimed'])} reclaimed, "
+          f"{result['journals_folded']} journals folded into one")
     if result["corrupt"]:
         print(f"aifs gc: {len(result['corrupt'])} damaged files left in place (see the "
               "mount's log)", file=sys.stderr)

@@ -4,6 +4,7 @@ RADOS Gateway when the script is there) and real FUSE mounts in subprocesses."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -423,15 +424,24 @@ def lake_packed(lake: Lake, objects: dict[str, int] | None = None) -> dict[str, 
         return cached
     newest: dict[str, dict] = {}
     for key, _ in journals:
-        for record in json.loads(lake.get_object(key))["records"]:
+        raw = lake.get_object(key)
+        if key.endswith(".gz"):  # a fold: a header line, then a record per line
+            records = [json.loads(line) for line in gzip.decompress(raw).splitlines()[1:]]
+        else:
+            records = json.loads(raw)["records"]
+        for record in records:
             current = newest.get(record.get("key", ""))
             if record["op"] in ("put", "del"):
-                if current is None or record["t"] >= current["t"]:
+                stale_copy = (current is not None and record["op"] == current["op"] == "put"
+                              and record["t"] == current["t"]
+                              and record.get("mv", 0) < current.get("mv", 0))
+                if (current is None or record["t"] >= current["t"]) and not stale_copy:
                     newest[record["key"]] = record
             elif record["op"] == "move" and current is not None \
                     and current["op"] == "put" \
                     and [current["pack"], current["off"]] == record["from"]:
-                newest[record["key"]] = dict(current, pack=record["pack"], off=record["off"])
+                newest[record["key"]] = dict(current, pack=record["pack"], off=record["off"],
+                                             mv=current.get("mv", 0) + 1)
     out = {key: record for key, record in newest.items() if record["op"] == "put"}
     _replayed[(lake.url, journals)] = out
     return out

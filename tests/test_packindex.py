@@ -6,8 +6,23 @@ per pack follow every change."""
 from __future__ import annotations
 
 import itertools
+import json
 
-from aifs.meta.packindex import PackedEntry, PackIndex, checksum, deletion
+import pytest
+
+from aifs.flush.packer import Journals, PackStats
+from aifs.lake.local import LocalStore
+from aifs.meta.packindex import (
+    FOLD_SUFFIX,
+    JOURNAL_DIR,
+    JOURNAL_SUFFIX,
+    PackedEntry,
+    PackIndex,
+    checksum,
+    deletion,
+    encode_fold,
+    read_fold,
+)
 from aifs.meta.store import MetaStore
 
 
@@ -89,3 +104,91 @@ def test_pack_size_is_known_once_its_record_is_applied(tmp_path):
     idx.apply([deletion("k", 2)])  # a pack's size stays what was put, live or not
     assert idx.pack_size("p") == 300
     assert idx.pack_size("other") is None
+
+
+def test_a_snapshot_rebuilds_the_index_on_a_node_that_has_none(tmp_path):
+    idx = index(tmp_path)
+    idx.apply([{"op": "pack", "pack": "p1", "size": 200, "t": 1},
+               {"op": "pack", "pack": "dead", "size": 100, "t": 1},
+               put("a", "p1", 0, 100, 10), put("b", "p1", 100, 100, 10),
+               put("c", "dead", 0, 100, 10), deletion("c", 20), deletion("old", 3)])
+    idx.apply([{"op": "move", "key": "b", "from": ["p1", 100], "pack": "p2", "off": 0},
+               {"op": "pack", "pack": "p2", "size": 100, "t": 12}])
+    snapshot = [json.loads(raw) for raw in idx.snapshot(keep_deletions_after=5)]
+    assert deletion("old", 3) not in snapshot  # too old to matter any more
+    assert deletion("c", 20) in snapshot  # must still beat a late put of c
+    assert {r["pack"] for r in snapshot if r["op"] == "pack"} == {"p1", "p2"}
+    fresh = index(tmp_path, "fresh")
+    fresh.apply(snapshot)
+    for key in ("a", "b", "c"):
+        assert fresh.entry(key) == idx.entry(key)
+    assert fresh.pack_info("p1")["live"] == 100 and fresh.pack_info("p2")["live"] == 100
+    fresh.apply([put("c", "dead", 0, 100, 10)])  # the put of c, read late
+    assert fresh.entry("c") is None
+
+
+def test_a_fold_made_before_a_move_does_not_undo_it(tmp_path):
+    """Node A folds its index; node B compacts meanwhile. A node that reads the
+    move first and the (newer) fold second keeps the moved place."""
+    before_move = [{"op": "pack", "pack": "old", "size": 100, "t": 1}, put("k", "old", 0, 100, 5)]
+    move = [{"op": "pack", "pack": "new", "size": 100, "t": 6},
+            {"op": "move", "key": "k", "from": ["old", 0], "pack": "new", "off": 0}]
+    folder = index(tmp_path, "folder")
+    folder.apply(before_move)
+    fold = [json.loads(raw) for raw in folder.snapshot(keep_deletions_after=0)]
+    for order in (before_move + move + fold, before_move + fold + move,
+                  fold + move, fold + move + before_move):
+        idx = index(tmp_path, f"reader{len(order)}{order.index(move[1])}")
+        idx.apply(order)
+        assert (idx.entry("k").pack, idx.entry("k").offset) == ("new", 0), order
+        assert idx.pack_info("old")["live"] == 0 and idx.pack_info("new")["live"] == 100
+
+
+async def test_journals_folded_while_a_node_reads_them_are_found_in_the_fold(tmp_path):
+    """Another node folds (puts the fold, deletes the journals) between this
+    node's LIST and its GETs: the refresh lists again and reads the fold."""
+    store = LocalStore(str(tmp_path / "lake"))
+    writer = index(tmp_path, "writer")
+    journals = []
+    for n in range(3):
+        records = [{"op": "pack", "pack": f"p{n}", "size": 10, "t": n},
+                   put(f"d/f{n}", f"p{n}", 0, 10, 10 + n)]
+        name = f"{JOURNAL_DIR}{n:020d}-w-{n}{JOURNAL_SUFFIX}"
+        await store.put(name, json.dumps({"v": 1, "node": "w", "records": records}).encode())
+        writer.apply(records, name)
+        journals.append(name)
+
+    class FoldsUnderTheReader(LocalStore):
+        folded = False
+
+        async def iter_list(self, prefix, delimiter):
+            async for page in super().iter_list(prefix, delimiter):
+                yield page
+            if not self.folded:  # right after the reader's first LIST
+                self.folded = True
+                fold = encode_fold("w", journals, writer.snapshot(0))
+                await store.put(f"{JOURNAL_DIR}{9:020d}-w-9{FOLD_SUFFIX}", fold)
+                await store.delete_many(journals)
+
+    reader = index(tmp_path, "reader")
+    replay = Journals(FoldsUnderTheReader(str(tmp_path / "lake")), reader, 60.0, PackStats())
+    replayed = await replay.refresh()
+    assert [e.key for e in reader.under("d/")] == ["d/f0", "d/f1", "d/f2"]
+    assert replayed == {f"{JOURNAL_DIR}{9:020d}-w-9{FOLD_SUFFIX}"}
+    assert replay.stats.journals_read == 1  # the fold; the journals it covers need no GET
+
+
+def test_a_fold_reads_back_in_batches_and_a_damaged_one_is_refused():
+    lines = [json.dumps(put(f"k{i}", "p", i, 1, i)).encode() for i in range(120_000)]
+    body = encode_fold("node", ["j1", "j2"], iter(lines))
+    covers, batches = read_fold(body, batch=50_000)
+    got = list(batches)
+    assert covers == ["j1", "j2"]
+    assert [len(b) for b in got] == [50_000, 50_000, 20_000]
+    assert got[2][-1] == put("k119999", "p", 119_999, 1, 119_999)
+    flipped = bytearray(body)
+    flipped[len(body) // 2] ^= 0xFF
+    for damaged in (body[:len(body) // 2], bytes(flipped), b"not a fold"):
+        with pytest.raises(ValueError):
+            covers, batches = read_fold(damaged)
+            list(batches)

@@ -160,6 +160,47 @@ def test_sync_right_after_many_closes_makes_one_pack(lake, mounter, aifs_cli):
     assert set(lake_packed(lake)) == set(files)
 
 
+def test_gc_folds_the_journals_and_a_fresh_node_reads_only_the_fold(lake, mounter,
+                                                                     aifs_cli):
+    files = small_files(600, seed=13, dirs=3)
+    names = sorted(files)
+    a = mounter(lake, "--pack-wait", "60", name="a")
+    for start in range(0, 600, 200):  # three packs, three journals
+        write_files(a.path, {n: files[n] for n in names[start:start + 200]})
+        sync(aifs_cli, a.path)
+    gone = names[::10]
+    for name in gone:
+        os.unlink(a.path / name)
+    os.rename(a.path / names[1], a.path / "ds/renamed.dat")
+    sync(aifs_cli, a.path)
+    expected = {n: files[n] for n in names if n not in gone and n != names[1]}
+    expected["ds/renamed.dat"] = files[names[1]]
+    _, _, journals = lake_layout(lake)
+    assert len(journals) >= 4
+
+    result = aifs_cli("gc", str(a.path))
+    assert result.returncode == 0, result.stderr
+    assert f"{len(journals)} journals folded into one" in result.stdout
+    _, _, folded = lake_layout(lake)
+    assert len(folded) == 1 and folded[0].endswith(".fold.jsonl.gz"), folded
+    assert set(lake_packed(lake)) == set(expected)  # the fold, read as docs/packing.md says
+
+    fresh = mounter(lake, name="fresh")
+    got = read_digests(fresh.path, sorted(expected))
+    assert all(got[n] == digest(expected[n]) for n in expected)
+    assert not (fresh.path / gone[0]).exists() and not (fresh.path / names[1]).exists()
+    assert json.loads(os.getxattr(fresh.path, "user.aifs.stats"))["journals_read"] == 1
+
+    # The writer goes on: its next journal and the fold are folded in turn.
+    (a.path / "ds/after.dat").write_bytes(b"after the fold")
+    sync(aifs_cli, a.path)
+    result = aifs_cli("gc", str(a.path))
+    assert "2 journals folded into one" in result.stdout, result.stdout
+    third = mounter(lake, name="third")
+    assert (third.path / "ds/after.dat").read_bytes() == b"after the fold"
+    assert (third.path / "ds/renamed.dat").read_bytes() == files[names[1]]
+
+
 def test_compaction_reclaims_space_and_keeps_the_data(lake, mounter, aifs_cli):
     files = small_files(400, seed=9, low=16 * KiB, high=32 * KiB, dirs=1)
     a = mounter(lake, "--pack-gc-grace", "0", "--pack-wait", "60", name="a")

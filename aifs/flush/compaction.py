@@ -14,8 +14,14 @@
   other tools. The objects stay the truth: a record remembers the ETag it
   copied, and a listing ignores the packed copy once the object changed.
 
-Each node compacts its own packs in the background; ``aifs gc`` does every
-node's, and collects.
+- *Folding* replaces the journals in the lake by one fold object: the whole
+  index (live files, recent deletions, live packs), so a new node reads one
+  object instead of every journal ever written. The journals are deleted only
+  once the fold is in the lake; a node reading them meanwhile lists again and
+  finds the fold.
+
+Each node compacts its own packs in the background (and folds once the
+journals pile up); ``aifs gc`` does every node's, collects, and folds.
 """
 
 from __future__ import annotations
@@ -31,12 +37,22 @@ from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, PreconditionFailed
 from aifs.flush.packer import Packer
 from aifs.lake.base import ObjectInfo, ObjectStore
-from aifs.meta.packindex import PACK_DIR, PackedEntry, Record, checksum, pack_key
+from aifs.meta.packindex import (
+    FOLD_SUFFIX,
+    JOURNAL_DIR,
+    PACK_DIR,
+    PackedEntry,
+    Record,
+    checksum,
+    encode_fold,
+    pack_key,
+)
 from aifs.meta.store import MetaStore, valid_name
 
 log = logging.getLogger(__name__)
 
 BACKGROUND_EVERY = 300.0  # seconds between background compactions
+FOLD_AFTER = 200  # journals in the lake before a background fold
 OBJECTS_AT_ONCE = 32
 
 
@@ -51,6 +67,7 @@ class Upkeep:
     files_packed: int = 0
     bytes_packed: int = 0
     files_total: int = 0
+    journals_folded: int = 0
     corrupt: list[str] = field(default_factory=list)
 
 
@@ -70,6 +87,8 @@ class Compactor:
             await trio.sleep(BACKGROUND_EVERY)
             try:
                 await self.compact(own_only=True)
+                if len(self.packer.journals.replayed) >= FOLD_AFTER:
+                    await self.fold(at_least=FOLD_AFTER)  # unless another node just did
             except LakeError as exc:
                 log.warning("background compaction failed: %s", exc)
 
@@ -171,12 +190,34 @@ class Compactor:
                      sum(obj.size for obj in doomed))
         return result
 
+    # -- folding --------------------------------------------------------------------
+    async def fold(self, result: Upkeep | None = None, at_least: int = 2) -> Upkeep:
+        """Replace the journals (and folds) in the lake by one fold of this
+        node's index, once it has replayed them all (if there are ``at_least``)."""
+        result = result or Upkeep()
+        covers = sorted(await self.packer.journals.refresh())
+        if len(covers) < max(2, at_least):
+            return result
+        keep_after = time.time_ns() - int(self.config.pack_gc_grace * 1e9)
+        body = await trio.to_thread.run_sync(
+            lambda: encode_fold(self.packer.node, covers, self.index.snapshot(keep_after)))
+        name = JOURNAL_DIR + self.packer.new_pack_id() + FOLD_SUFFIX
+        await self.store.put(name, body)
+        self.index.apply([], name)
+        for start in range(0, len(covers), 1000):  # only now: the fold stands for them
+            await self.store.delete_many(covers[start:start + 1000])
+        result.journals_folded += len(covers)
+        log.info("folded %d journals into %s (%d bytes)", len(covers), name, len(body))
+        return result
+
     async def gc(self) -> Upkeep:
-        """``aifs gc``: compact every node's sparse packs, then collect."""
+        """``aifs gc``: compact every node's sparse packs, collect, then fold
+        the journals."""
         result = Upkeep()
         await self.packer.journals.refresh()
         await self.compact(own_only=False, result=result)
         await self.collect(result=result)
+        await self.fold(result=result)
         return result
 
     # -- importing ----------------------------------------------------------------

@@ -30,19 +30,24 @@ from aifs.config import Config
 from aifs.errors import ObjectNotFound, lake_error_in
 from aifs.lake.base import ObjectStore
 from aifs.meta.packindex import (
+    FOLD_SUFFIX,
     FORMAT_VERSION,
     JOURNAL_DIR,
+    JOURNAL_SUFFIX,
     PackedEntry,
     PackIndex,
     Record,
     checksum,
+    decode_journal,
     pack_key,
+    read_fold,
 )
 from aifs.meta.store import DATA, Inode, MetaStore
 
 log = logging.getLogger(__name__)
 
 JOURNALS_AT_ONCE = 16
+REPLAY_ROUNDS = 3  # listings in one refresh while journals vanish under it (folds)
 MAX_WAITS = 10  # a pack being filled goes after at most this many pack_wait
 HANDOVER_TICK = 0.02  # seconds: how often a pack asked for looks whether files still come
 HANDOVER_LIMIT = 2.0  # seconds: ... and goes without them once none came for this long
@@ -82,32 +87,65 @@ class Journals:
         self.stats = stats
         self._refreshed = -float("inf")
         self._running: trio.Event | None = None
+        self._replayed: set[str] = set()
+
+    @property
+    def replayed(self) -> set[str]:
+        """The journals and folds in the lake at the last refresh (read here)."""
+        return self._replayed
 
     async def refresh_if_stale(self) -> None:
         if trio.current_time() - self._refreshed >= self.ttl:
             await self.refresh()
 
-    async def refresh(self) -> None:
-        """Read the journals this node has not replayed yet (one LIST, and a
-        GET per new journal); concurrent callers share one refresh."""
+    async def refresh(self) -> set[str]:
+        """Read the journals and folds this node has not replayed yet (one
+        LIST, and a GET per new object); concurrent callers share one refresh.
+        Returns the names listed that this node has replayed and could read."""
         if self._running is not None:
             await self._running.wait()
-            return
+            return self._replayed
         self._running = trio.Event()
         started = trio.current_time()
         try:
-            listed: dict[str, int] = {}
-            async for page in self.store.iter_list(JOURNAL_DIR, None):
-                listed.update({obj.key: obj.size for obj in page.objects})
-            new = sorted(set(listed) - self.index.seen(listed))
-            if new:
-                await self._replay(new, listed)
+            for _ in range(REPLAY_ROUNDS):
+                listed: dict[str, int] = {}
+                async for page in self.store.iter_list(JOURNAL_DIR, None):
+                    listed.update({obj.key: obj.size for obj in page.objects})
+                seen = self.index.seen(listed)
+                vanished = await self._replay(sorted(set(listed) - seen), listed)
+                self._replayed = self.index.seen(listed, readable_only=True)
+                if not vanished:
+                    break
+                # Folded by another node while we read: its fold holds them.
+                log.debug("journals vanished while replayed; listing again")
             self._refreshed = started
+            return self._replayed
         finally:
             self._running.set()
             self._running = None
 
-    async def _replay(self, names: list[str], sizes: dict[str, int]) -> None:
+    async def _replay(self, names: list[str], sizes: dict[str, int]) -> bool:
+        """Apply these journals and folds, folds first (the journals they
+        cover then need no GET); True if one vanished before it was read."""
+        folds = [name for name in names if name.endswith(FOLD_SUFFIX)]
+        vanished = await self._apply_batch(folds, sizes)
+        journals = sorted(set(names) - set(folds) - self.index.seen(names))
+        return await self._apply_batch(journals, sizes) or vanished
+
+    def _apply_one(self, name: str, raw: bytes) -> None:
+        """Apply a journal, or a fold batch by batch (the fold is marked read
+        with the last); ValueError if it cannot be read."""
+        if not name.endswith(FOLD_SUFFIX):
+            self.index.apply(decode_journal(raw), name)
+            return
+        covers, batches = read_fold(raw)
+        if len(self.index.seen(covers)) < len(covers):  # else all read here already
+            for batch in batches:
+                self.index.apply(batch)
+        self.index.apply([], name, covers)
+
+    async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:
         contents: dict[str, bytes] = {}
         slots = trio.Semaphore(JOURNALS_AT_ONCE)
 
@@ -125,14 +163,15 @@ class Journals:
             if name not in contents:
                 continue
             try:
-                body = json.loads(contents[name])
-                records = body["records"]
-            except (ValueError, KeyError, TypeError):
-                log.error("journal %s is unreadable; its packed files stay hidden", name)
-                records = []
-            await trio.to_thread.run_sync(self.index.apply, records, name)
+                await trio.to_thread.run_sync(self._apply_one, name, contents[name])
+            except ValueError as exc:
+                log.error("journal %s is unreadable (%s); its packed files stay hidden",
+                          name, exc)
+                await trio.to_thread.run_sync(self.index.unreadable, name)
+                continue
             self.stats.journals_read += 1
-        log.debug("replayed %d journals", len(names))
+        log.debug("replayed %d journals", len(contents))
+        return len(contents) < len(names)
 
 
 class Packer:
@@ -234,7 +273,7 @@ class Packer:
     async def write_journal(self, records: list[Record], applied: int | None = None) -> str:
         """Put a journal of ``records``, then apply them here (the first
         ``applied`` of them: the rest were applied when queued)."""
-        name = JOURNAL_DIR + self._next_name() + ".json"
+        name = JOURNAL_DIR + self._next_name() + JOURNAL_SUFFIX
         body = json.dumps({"v": FORMAT_VERSION, "node": self.node, "records": records},
                           separators=(",", ":")).encode()
         await self.store.put(name, body)

@@ -18,7 +18,8 @@ packed      lake key, UTF-8                  the newest record of the key (JSON)
 packmember  pack id ++ NUL ++ u64 offset     lake key of a live entry of that pack
 pack        pack id                          JSON {size, live, t, dead_since}: live
                                              bytes, for compaction and collection
-journal     journal name                     empty: replayed here already
+journal     journal (or fold) name           replayed here already: empty, or "!"
+                                             if it could not be read
 outbox      u64 sequence number              a record of a local change without new
                                              data (delete, rename, chmod) waiting to
                                              be published in the next journal
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,8 @@ from aifs.meta.store import MetaStore, key_bytes, u64
 
 PACK_DIR = ".aifs/packs/"
 JOURNAL_DIR = ".aifs/journal/"
+JOURNAL_SUFFIX = ".json"
+FOLD_SUFFIX = ".fold.jsonl.gz"  # a fold: the records of many journals, in one object
 FORMAT_VERSION = 1
 
 Record = dict[str, Any]
@@ -98,6 +102,78 @@ class PackedEntry:
 
 def deletion(key: str, stamp: int | None = None) -> Record:
     return {"op": "del", "key": key, "t": stamp if stamp is not None else time.time_ns()}
+
+
+def encode_fold(node: str, covers: list[str], records: Iterable[bytes]) -> bytes:
+    """A fold object: the index's records (raw JSON, one per line, after a
+    header line) standing for the journals and folds named in ``covers``,
+    gzip-compressed as they stream by (a fold may hold millions)."""
+    header = {"v": FORMAT_VERSION, "node": node, "covers": covers}
+    packer = zlib.compressobj(3, wbits=31)  # gzip format
+    out = [packer.compress(json.dumps(header, separators=(",", ":")).encode() + b"\n")]
+    chunk: list[bytes] = []
+    for record in records:
+        chunk.append(record)
+        if len(chunk) >= 4096:
+            out.append(packer.compress(b"\n".join(chunk) + b"\n"))
+            chunk = []
+    out.append(packer.compress(b"\n".join(chunk) + b"\n" if chunk else b""))
+    out.append(packer.flush())
+    return b"".join(out)
+
+
+def read_fold(raw: bytes, batch: int = 50_000) -> tuple[list[str], Iterator[list[Record]]]:
+    """(names covered, batches of records) of a fold object, decompressed as
+    it is read; ValueError if it cannot be read (from the batches too)."""
+    unpacker = zlib.decompressobj(wbits=31)
+
+    def lines() -> Iterator[bytes]:
+        rest = b""
+        try:
+            for start in range(0, len(raw), 1 << 20):
+                rest += unpacker.decompress(raw[start:start + (1 << 20)])
+                *complete, rest = rest.split(b"\n")
+                yield from complete
+            rest += unpacker.flush()
+        except zlib.error as exc:
+            raise ValueError(f"not gzip: {exc}") from None
+        if not unpacker.eof or rest.strip():
+            raise ValueError("truncated")
+
+    stream = lines()
+    try:
+        header = json.loads(next(stream))
+        covers = header["covers"]
+    except (StopIteration, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"no header: {exc!r}") from None
+    if not isinstance(covers, list):
+        raise ValueError("covers is not a list")
+
+    def batches() -> Iterator[list[Record]]:
+        out: list[Record] = []
+        for line in stream:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                raise ValueError("a record is not JSON") from None
+            if len(out) >= batch:
+                yield out
+                out = []
+        if out:
+            yield out
+
+    return covers, batches()
+
+
+def decode_journal(raw: bytes) -> list[Record]:
+    """The records of a journal object; ValueError if it cannot be read."""
+    try:
+        records = json.loads(raw)["records"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(records, list):
+        raise ValueError("records is not a list")
+    return records
 
 
 def _member(pack: str, offset: int) -> bytes:
@@ -212,11 +288,28 @@ class PackIndex:
         with self.env.begin() as txn:
             return {bytes(k).decode(): json.loads(v) for k, v in txn.cursor(db=self.packs)}
 
-    def seen(self, names: Iterable[str]) -> set[str]:
-        """Which of these journals were replayed here."""
+    def snapshot(self, keep_deletions_after: int) -> Iterator[bytes]:
+        """Records (raw JSON) that rebuild this index on a node that has none:
+        a ``pack`` per pack with live files, the ``put`` of every live file,
+        and the ``del`` records stamped after ``keep_deletions_after`` (ns),
+        which must still beat older records of the same keys arriving late."""
         with self.env.begin() as txn:
-            return {name for name in names if txn.get(name.encode(), db=self.journals)
-                    is not None}
+            for raw_pack, raw in txn.cursor(db=self.packs):
+                info = json.loads(raw)
+                if info.get("live", 0) > 0 and info.get("size"):
+                    yield json.dumps({"op": "pack", "pack": bytes(raw_pack).decode(),
+                                      "size": info["size"], "t": info.get("t", 0)},
+                                     separators=(",", ":")).encode()
+            for _, raw in txn.cursor(db=self.entries):
+                if b'"op":"put"' in raw or json.loads(raw)["t"] > keep_deletions_after:
+                    yield bytes(raw)
+
+    def seen(self, names: Iterable[str], readable_only: bool = False) -> set[str]:
+        """Which of these journals were replayed here (and could be read)."""
+        with self.env.begin() as txn:
+            values = {name: txn.get(name.encode(), db=self.journals) for name in names}
+        return {name for name, value in values.items()
+                if value is not None and not (readable_only and value)}
 
     def outbox_records(self, limit: int = 100_000) -> tuple[list[Record], int]:
         """Records waiting to be published, and the sequence number of the last."""
@@ -234,13 +327,20 @@ class PackIndex:
             return int(txn.stat(self.outbox)["entries"])
 
     # -- writes ---------------------------------------------------------------
-    def apply(self, records: Iterable[Record], journal: str | None = None) -> None:
-        """Apply journal records (and mark ``journal`` replayed), in one transaction."""
+    def apply(self, records: Iterable[Record], journal: str | None = None,
+              covered: Iterable[str] = ()) -> None:
+        """Apply journal records (and mark ``journal``, and the journals a fold
+        ``covered``, replayed), in one transaction."""
         with self.env.begin(write=True) as txn:
             for record in records:
                 self._apply(txn, record)
-            if journal is not None:
-                txn.put(journal.encode(), b"", db=self.journals)
+            for name in ([journal] if journal is not None else []) + list(covered):
+                txn.put(name.encode(), b"", db=self.journals)
+
+    def unreadable(self, journal: str) -> None:
+        """A journal that could not be read: not asked for again, never folded."""
+        with self.env.begin(write=True) as txn:
+            txn.put(journal.encode(), b"!", db=self.journals)
 
     def queue(self, records: list[Record]) -> None:
         """Apply local changes now and keep them for the next journal."""
@@ -279,10 +379,16 @@ class PackIndex:
             if current is None or current["op"] != "put" or \
                     [current["pack"], current["off"]] != record["from"]:
                 return
-            new = dict(current, pack=record["pack"], off=record["off"])
+            # mv counts moves: a fold made before this move, read after it,
+            # carries the same put (same t) at the old place and must lose.
+            new = dict(current, pack=record["pack"], off=record["off"],
+                       mv=current.get("mv", 0) + 1)
         elif op in ("put", "del"):
             if current is not None and current["t"] > record["t"]:
                 return  # an older change than the one we know
+            if current is not None and current["t"] == record["t"] and op == "put" \
+                    and current["op"] == "put" and current.get("mv", 0) > record.get("mv", 0):
+                return  # the same change, from before a move we know
             new = record
         else:
             return  # a record of a later format: ignored
