@@ -38,7 +38,7 @@ from typing import Any
 import lmdb
 import xxhash
 
-from aifs.meta.store import MetaStore, key_bytes, u64
+from aifs.meta.store import MetaStore, compact_json, key_bytes, u64
 
 PACK_DIR = ".aifs/packs/"
 JOURNAL_DIR = ".aifs/journal/"
@@ -332,8 +332,10 @@ class PackIndex:
         """Apply journal records (and mark ``journal``, and the journals a fold
         ``covered``, replayed), in one transaction."""
         with self.env.begin(write=True) as txn:
+            packs = _PackInfos(txn, self.packs)
             for record in records:
-                self._apply(txn, record)
+                self._apply(txn, record, packs)
+            packs.write()
             for name in ([journal] if journal is not None else []) + list(covered):
                 txn.put(name.encode(), b"", db=self.journals)
 
@@ -345,13 +347,15 @@ class PackIndex:
     def queue(self, records: list[Record]) -> None:
         """Apply local changes now and keep them for the next journal."""
         with self.env.begin(write=True) as txn:
+            packs = _PackInfos(txn, self.packs)
             for record in records:
-                self._apply(txn, record)
+                self._apply(txn, record, packs)
                 raw = txn.get(b"next_outbox", db=self.sys)
                 seq = int.from_bytes(raw, "big") if raw else 1
                 txn.put(b"next_outbox", u64(seq + 1), db=self.sys)
-                txn.put(u64(seq), json.dumps(record, separators=(",", ":")).encode(),
+                txn.put(u64(seq), compact_json(record).encode(),
                         db=self.outbox)
+            packs.write()
 
     def drop_outbox(self, up_to: int) -> None:
         with self.env.begin(write=True) as txn:
@@ -364,13 +368,11 @@ class PackIndex:
         with self.env.begin(write=True) as txn:
             txn.delete(pack.encode(), db=self.packs)
 
-    def _apply(self, txn: lmdb.Transaction, record: Record) -> None:
+    def _apply(self, txn: lmdb.Transaction, record: Record, packs: _PackInfos) -> None:
         op = record.get("op")
         if op == "pack":
-            raw = txn.get(record["pack"].encode(), db=self.packs)
-            info = json.loads(raw) if raw else {"live": 0, "dead_since": 0}
+            info = packs.get(record["pack"])
             info["size"], info["t"] = record["size"], record["t"]
-            self._put_pack(txn, record["pack"], info)
             return
         key = key_bytes(record["key"])
         raw = txn.get(key, db=self.entries)
@@ -394,21 +396,42 @@ class PackIndex:
             return  # a record of a later format: ignored
         if current is not None and current["op"] == "put":
             txn.delete(_member(current["pack"], current["off"]), db=self.members)
-            self._add_live(txn, current["pack"], -current["len"])
-        txn.put(key, json.dumps(new, separators=(",", ":")).encode(), db=self.entries)
+            packs.add_live(current["pack"], -current["len"])
+        txn.put(key, compact_json(new).encode(), db=self.entries)
         if new["op"] == "put":
             txn.put(_member(new["pack"], new["off"]), key, db=self.members)
-            self._add_live(txn, new["pack"], new["len"])
+            packs.add_live(new["pack"], new["len"])
 
-    def _add_live(self, txn: lmdb.Transaction, pack: str, delta: int) -> None:
-        raw = txn.get(pack.encode(), db=self.packs)
-        info = json.loads(raw) if raw else {"size": 0, "live": 0, "t": 0, "dead_since": 0}
-        info["live"] = max(0, info["live"] + delta)
-        if info["live"] == 0 and info.get("size"):
-            info["dead_since"] = info.get("dead_since") or time.time()
-        else:
-            info["dead_since"] = 0
-        self._put_pack(txn, pack, info)
 
-    def _put_pack(self, txn: lmdb.Transaction, pack: str, info: dict[str, Any]) -> None:
-        txn.put(pack.encode(), json.dumps(info, separators=(",", ":")).encode(), db=self.packs)
+
+class _PackInfos:
+    """The pack records one transaction reads and changes, written once at its
+    end: a journal changes the live bytes of one pack thousands of times."""
+
+    def __init__(self, txn: lmdb.Transaction, db: Any) -> None:
+        self.txn, self.db = txn, db
+        self.infos: dict[str, dict[str, Any]] = {}
+        self.live_changed: set[str] = set()
+
+    def get(self, pack: str) -> dict[str, Any]:
+        info = self.infos.get(pack)
+        if info is None:
+            raw = self.txn.get(pack.encode(), db=self.db)
+            info = json.loads(raw) if raw else {"size": 0, "live": 0, "t": 0, "dead_since": 0}
+            self.infos[pack] = info
+        return info
+
+    def add_live(self, pack: str, delta: int) -> None:
+        self.get(pack)["live"] += delta
+        self.live_changed.add(pack)
+
+    def write(self) -> None:
+        for pack, info in self.infos.items():
+            if pack in self.live_changed:
+                info["live"] = max(0, info["live"])
+                if info["live"] == 0 and info.get("size"):
+                    info["dead_since"] = info.get("dead_since") or time.time()
+                else:
+                    info["dead_since"] = 0
+            self.txn.put(pack.encode(), compact_json(info).encode(),
+                         db=self.db)

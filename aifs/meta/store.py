@@ -57,6 +57,9 @@ import lmdb
 
 log = logging.getLogger(__name__)
 
+# JSON without spaces; one encoder for all (json.dumps with options builds one per call)
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+
 ROOT_INO = 1
 FILE = "file"
 DIR = "dir"
@@ -114,7 +117,7 @@ class Inode:
     xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
 
     def encode(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
+        return compact_json(self.__dict__).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Inode:
