@@ -146,6 +146,28 @@ class Journals:
         self.index.apply([], name, covers)
 
     async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:
+        """Fetch and apply, a few at a time (a new node may find thousands of
+        journals); True if one vanished before it was read."""
+        vanished = False
+        for start in range(0, len(names), 4 * JOURNALS_AT_ONCE):
+            chunk = names[start:start + 4 * JOURNALS_AT_ONCE]
+            contents = await self._fetch(chunk, sizes)
+            vanished |= len(contents) < len(chunk)
+            for name in chunk:  # in name (time) order, though any order gives the same
+                if name not in contents:
+                    continue
+                try:
+                    await trio.to_thread.run_sync(self._apply_one, name, contents.pop(name))
+                except ValueError as exc:
+                    log.error("journal %s is unreadable (%s); its packed files stay hidden",
+                              name, exc)
+                    await trio.to_thread.run_sync(self.index.unreadable, name)
+                    continue
+                self.stats.journals_read += 1
+        log.debug("replayed %d journals", len(names))
+        return vanished
+
+    async def _fetch(self, names: list[str], sizes: dict[str, int]) -> dict[str, bytes]:
         contents: dict[str, bytes] = {}
         slots = trio.Semaphore(JOURNALS_AT_ONCE)
 
@@ -159,19 +181,7 @@ class Journals:
         async with trio.open_nursery() as nursery:
             for name in names:
                 nursery.start_soon(fetch, name)
-        for name in names:  # in name (time) order, though any order gives the same
-            if name not in contents:
-                continue
-            try:
-                await trio.to_thread.run_sync(self._apply_one, name, contents[name])
-            except ValueError as exc:
-                log.error("journal %s is unreadable (%s); its packed files stay hidden",
-                          name, exc)
-                await trio.to_thread.run_sync(self.index.unreadable, name)
-                continue
-            self.stats.journals_read += 1
-        log.debug("replayed %d journals", len(contents))
-        return len(contents) < len(names)
+        return contents
 
 
 class Packer:
