@@ -172,6 +172,7 @@ def main() -> int:
             "GetObject", 0)
         reader.unmount()
         mounts.remove(reader)
+        fold_rows(lake, work, common, results)
 
         sample = random.Random(2).sample(range(args.files), min(args.sample, args.files))
         if server:
@@ -192,11 +193,11 @@ def main() -> int:
     finally:
         for mount in mounts:
             mount.kill()
-        for name in ("mnt-w", "mnt-r"):
+        for name in ("mnt-w", "mnt-r", "mnt-n1", "mnt-f", "mnt-n2"):
             if os.path.ismount(work / name):
                 subprocess.run(["fusermount3", "-u", "-z", str(work / name)], check=False)
         if failed:
-            for log in ("w.log", "r.log"):
+            for log in ("w.log", "r.log", "n1.log", "f.log", "n2.log"):
                 if (work / log).exists():
                     print(f"--- tail of {log} ---\n" + (work / log).read_text(
                         errors="replace")[-3000:], file=sys.stderr)
@@ -208,6 +209,45 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def first_stat(lake, work: Path, name: str, common: list[str]) -> tuple[float, int]:
+    """A node new to the lake: seconds of its first ``stat`` (the journals or
+    folds it replays, and the LIST of the root) and how many it read."""
+    mount = conftest.Mount(lake, work / f"mnt-{name}", work / f"cache-{name}",
+                           work / f"{name}.log", common)
+    try:
+        start = time.perf_counter()
+        os.stat(mount.path / "ds")
+        seconds = time.perf_counter() - start
+        stats = json.loads(os.getxattr(mount.path, "user.aifs.stats"))
+        return seconds, stats["journals_read"]
+    finally:
+        mount.unmount()
+
+
+def fold_rows(lake, work: Path, common: list[str], results: dict) -> None:
+    """What a new node reads before and after ``aifs gc`` folds the journals."""
+    def journal_bytes() -> int:
+        return sum(size for key, size in conftest.lake_objects(lake).items()
+                   if key.startswith(conftest.JOURNALS) and not key.endswith("/"))
+
+    results["journal_bytes"] = journal_bytes()
+    results["new_node_stat_s"], results["new_node_journals"] = first_stat(
+        lake, work, "n1", common)
+    folder = conftest.Mount(lake, work / "mnt-f", work / "cache-f", work / "f.log", common)
+    try:
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "aifs", "gc", str(folder.path)],
+                                capture_output=True, text=True, timeout=3600)
+        results["gc_s"] = time.perf_counter() - start
+        if result.returncode != 0:
+            raise RuntimeError(f"aifs gc failed: {result.stderr.strip()}")
+    finally:
+        folder.unmount()
+    results["fold_bytes"] = journal_bytes()
+    results["folded_node_stat_s"], results["folded_node_journals"] = first_stat(
+        lake, work, "n2", common)
 
 
 def report(args: argparse.Namespace, r: dict) -> None:
@@ -237,6 +277,13 @@ def report(args: argparse.Namespace, r: dict) -> None:
           f"dropped ({args.threads} readers) | {r['floor_read_all_s']:.1f} s | "
           f"{floor_read:,.0f} files/s | aifs is {read_rate / floor_read:.2f} x this, "
           f"this is {floor_read / base_rate:.1f} x {r['baseline']} |")
+    print(f"| {args.lake} | a new node's first `stat`: replays {r['new_node_journals']} "
+          f"journals ({r['journal_bytes'] / MiB:.1f} MiB) | {r['new_node_stat_s']:.2f} s | | |")
+    print(f"| {args.lake} | `aifs gc` on a fresh mount: folds them into one | "
+          f"{r['gc_s']:.1f} s | {r['fold_bytes'] / MiB:.1f} MiB | |")
+    print(f"| {args.lake} | a new node's first `stat` after the fold: replays "
+          f"{r['folded_node_journals']} | {r['folded_node_stat_s']:.2f} s | | "
+          f"{r['new_node_stat_s'] / r['folded_node_stat_s']:.1f} x faster |")
     print(f"| {args.lake} | {r['baseline']} ({r['baseline_files']:,} random files, "
           f"{args.threads} threads) | {r['baseline_gets_s']:.1f} s | {base_rate:,.0f} "
           f"files/s | 1.00 |")
