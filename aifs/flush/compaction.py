@@ -200,7 +200,8 @@ class Compactor:
             return result
         keep_after = time.time_ns() - int(self.config.pack_gc_grace * 1e9)
         body = await trio.to_thread.run_sync(
-            lambda: encode_fold(self.packer.node, covers, self.index.snapshot(keep_after)))
+            lambda: encode_fold(self.packer.node, covers, self.index.snapshot(keep_after),
+                                keep_after))
         name = JOURNAL_DIR + self.packer.new_pack_id() + FOLD_SUFFIX
         await self.store.put(name, body)
         self.index.apply([], name)

@@ -76,6 +76,10 @@ def new_name(node: str, counter: int) -> str:
     return f"{time.time_ns():020d}-{node}-{counter}"
 
 
+class _ReplayFromScratch(Exception):
+    pass
+
+
 class Journals:
     """Replays the lake's journals into the local pack index."""
 
@@ -88,6 +92,7 @@ class Journals:
         self._refreshed = -float("inf")
         self._running: trio.Event | None = None
         self._replayed: set[str] = set()
+        self._from_scratch = False  # the index was reset in this refresh
 
     @property
     def replayed(self) -> set[str]:
@@ -109,19 +114,28 @@ class Journals:
         started = trio.current_time()
         try:
             for _ in range(REPLAY_ROUNDS):
+                listed_at = time.time_ns()
                 listed: dict[str, int] = {}
                 async for page in self.store.iter_list(JOURNAL_DIR, None):
                     listed.update({obj.key: obj.size for obj in page.objects})
                 seen = self.index.seen(listed)
-                vanished = await self._replay(sorted(set(listed) - seen), listed)
+                try:
+                    vanished = await self._replay(sorted(set(listed) - seen), listed)
+                except _ReplayFromScratch as why:
+                    log.warning("%s: this node replays the pack index from scratch", why)
+                    await trio.to_thread.run_sync(self.index.reset)
+                    self._from_scratch = True
+                    continue
                 self._replayed = self.index.seen(listed, readable_only=True)
                 if not vanished:
+                    self.index.set_replayed_at(listed_at)
                     break
                 # Folded by another node while we read: its fold holds them.
                 log.debug("journals vanished while replayed; listing again")
             self._refreshed = started
             return self._replayed
         finally:
+            self._from_scratch = False
             self._running.set()
             self._running = None
 
@@ -139,8 +153,15 @@ class Journals:
         if not name.endswith(FOLD_SUFFIX):
             self.index.apply(decode_journal(raw), name)
             return
-        covers, batches = read_fold(raw)
+        header, batches = read_fold(raw)
+        covers = header.covers
         if len(self.index.seen(covers)) < len(covers):  # else all read here already
+            if (header.dels_after > self.index.replayed_at() and not self._from_scratch
+                    and not self.index.is_empty()):
+                # The fold left out deletions this node may not have read: an
+                # entry it knows could be one of them.
+                raise _ReplayFromScratch(f"{name} leaves out deletions older than "
+                                         "this node's last replay")
             for batch in batches:
                 self.index.apply(batch)
         self.index.apply([], name, covers)

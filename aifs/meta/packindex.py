@@ -23,6 +23,8 @@ journal     journal (or fold) name           replayed here already: empty, or "!
 outbox      u64 sequence number              a record of a local change without new
                                              data (delete, rename, chmod) waiting to
                                              be published in the next journal
+sys         ``packs_replayed_at``            u64 wall time (ns) of the LIST of the last
+                                             complete replay
 ==========  ===============================  ==========================================
 """
 
@@ -104,11 +106,13 @@ def deletion(key: str, stamp: int | None = None) -> Record:
     return {"op": "del", "key": key, "t": stamp if stamp is not None else time.time_ns()}
 
 
-def encode_fold(node: str, covers: list[str], records: Iterable[bytes]) -> bytes:
+def encode_fold(node: str, covers: list[str], records: Iterable[bytes],
+                dels_after: int) -> bytes:
     """A fold object: the index's records (raw JSON, one per line, after a
     header line) standing for the journals and folds named in ``covers``,
-    gzip-compressed as they stream by (a fold may hold millions)."""
-    header = {"v": FORMAT_VERSION, "node": node, "covers": covers}
+    without the deletions stamped before ``dels_after`` (ns); gzip-compressed
+    as they stream by (a fold may hold millions)."""
+    header = {"v": FORMAT_VERSION, "node": node, "dels_after": dels_after, "covers": covers}
     packer = zlib.compressobj(3, wbits=31)  # gzip format
     out = [packer.compress(json.dumps(header, separators=(",", ":")).encode() + b"\n")]
     chunk: list[bytes] = []
@@ -122,9 +126,15 @@ def encode_fold(node: str, covers: list[str], records: Iterable[bytes]) -> bytes
     return b"".join(out)
 
 
-def read_fold(raw: bytes, batch: int = 50_000) -> tuple[list[str], Iterator[list[Record]]]:
-    """(names covered, batches of records) of a fold object, decompressed as
-    it is read; ValueError if it cannot be read (from the batches too)."""
+@dataclass(frozen=True)
+class FoldHeader:
+    covers: list[str]  # the journals and folds it stands for
+    dels_after: int  # ns: older deletions were left out
+
+
+def read_fold(raw: bytes, batch: int = 50_000) -> tuple[FoldHeader, Iterator[list[Record]]]:
+    """The header and the batches of records of a fold object, decompressed
+    as it is read; ValueError if it cannot be read (from the batches too)."""
     unpacker = zlib.decompressobj(wbits=31)
 
     def lines() -> Iterator[bytes]:
@@ -143,11 +153,11 @@ def read_fold(raw: bytes, batch: int = 50_000) -> tuple[list[str], Iterator[list
     stream = lines()
     try:
         header = json.loads(next(stream))
-        covers = header["covers"]
+        covers, dels_after = header["covers"], header.get("dels_after", 0)
     except (StopIteration, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"no header: {exc!r}") from None
-    if not isinstance(covers, list):
-        raise ValueError("covers is not a list")
+    if not isinstance(covers, list) or not isinstance(dels_after, int):
+        raise ValueError("covers is not a list, or dels_after not a number")
 
     def batches() -> Iterator[list[Record]]:
         out: list[Record] = []
@@ -162,7 +172,7 @@ def read_fold(raw: bytes, batch: int = 50_000) -> tuple[list[str], Iterator[list
         if out:
             yield out
 
-    return covers, batches()
+    return FoldHeader(covers, dels_after), batches()
 
 
 def decode_journal(raw: bytes) -> list[Record]:
@@ -338,6 +348,33 @@ class PackIndex:
             packs.write()
             for name in ([journal] if journal is not None else []) + list(covered):
                 txn.put(name.encode(), b"", db=self.journals)
+
+    def replayed_at(self) -> int:
+        """Wall time (ns) of the listing of the last complete replay (0: never):
+        every journal in the lake before then was read here."""
+        with self.env.begin() as txn:
+            raw = txn.get(b"packs_replayed_at", db=self.sys)
+        return int.from_bytes(raw, "big") if raw else 0
+
+    def set_replayed_at(self, ns: int) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(b"packs_replayed_at", u64(ns), db=self.sys)
+
+    def is_empty(self) -> bool:
+        with self.env.begin() as txn:
+            return int(txn.stat(self.entries)["entries"]) == 0
+
+    def reset(self) -> None:
+        """Forget everything replayed (for a replay from scratch); the local
+        changes in the outbox, not published yet, are applied again."""
+        with self.env.begin(write=True) as txn:
+            for db in (self.entries, self.members, self.packs, self.journals):
+                txn.drop(db, delete=False)
+            txn.delete(b"packs_replayed_at", db=self.sys)
+            packs = _PackInfos(txn, self.packs)
+            for _, raw in txn.cursor(db=self.outbox):
+                self._apply(txn, json.loads(raw), packs)
+            packs.write()
 
     def unreadable(self, journal: str) -> None:
         """A journal that could not be read: not asked for again, never folded."""
