@@ -184,7 +184,7 @@ def test_a_fold_reads_back_in_batches_and_a_damaged_one_is_refused():
     lines = [json.dumps(put(f"k{i}", "p", i, 1, i)).encode() for i in range(120_000)]
     body = encode_fold("node", ["j1", "j2"], iter(lines), 0)
     header, batches = read_fold(body, batch=50_000)
-    got = list(batches)
+    got = [records for records, _ in batches]
     assert header.covers == ["j1", "j2"]
     assert [len(b) for b in got] == [50_000, 50_000, 20_000]
     assert got[2][-1] == put("k119999", "p", 119_999, 1, 119_999)

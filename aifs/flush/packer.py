@@ -162,8 +162,8 @@ class Journals:
                 # entry it knows could be one of them.
                 raise _ReplayFromScratch(f"{name} leaves out deletions older than "
                                          "this node's last replay")
-            for batch in batches:
-                self.index.apply(batch)
+            for records, lines in batches:
+                self.index.apply(records, raws=lines)
         self.index.apply([], name, covers)
 
     async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:

@@ -132,9 +132,11 @@ class FoldHeader:
     dels_after: int  # ns: older deletions were left out
 
 
-def read_fold(raw: bytes, batch: int = 50_000) -> tuple[FoldHeader, Iterator[list[Record]]]:
-    """The header and the batches of records of a fold object, decompressed
-    as it is read; ValueError if it cannot be read (from the batches too)."""
+def read_fold(raw: bytes, batch: int = 5000
+              ) -> tuple[FoldHeader, Iterator[tuple[list[Record], list[bytes]]]]:
+    """The header and the batches of records (parsed, and as their lines) of
+    a fold object, decompressed as it is read; ValueError if it cannot be
+    read (from the batches too)."""
     unpacker = zlib.decompressobj(wbits=31)
 
     def lines() -> Iterator[bytes]:
@@ -159,18 +161,25 @@ def read_fold(raw: bytes, batch: int = 50_000) -> tuple[FoldHeader, Iterator[lis
     if not isinstance(covers, list) or not isinstance(dels_after, int):
         raise ValueError("covers is not a list, or dels_after not a number")
 
-    def batches() -> Iterator[list[Record]]:
-        out: list[Record] = []
+    def parse(lines: list[bytes]) -> list[Record]:
+        try:  # one parse per batch: much cheaper than one per line
+            records = json.loads(b"[" + b",".join(lines) + b"]")
+        except ValueError:
+            raise ValueError("a record is not JSON") from None
+        if not all(isinstance(record, dict) for record in records):
+            raise ValueError("a record is not a JSON object")
+        return records
+
+    def batches() -> Iterator[tuple[list[Record], list[bytes]]]:
+        lines: list[bytes] = []
         for line in stream:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                raise ValueError("a record is not JSON") from None
-            if len(out) >= batch:
-                yield out
-                out = []
-        if out:
-            yield out
+            if line.strip():
+                lines.append(line)
+            if len(lines) >= batch:
+                yield parse(lines), lines
+                lines = []
+        if lines:
+            yield parse(lines), lines
 
     return FoldHeader(covers, dels_after), batches()
 
@@ -338,13 +347,18 @@ class PackIndex:
 
     # -- writes ---------------------------------------------------------------
     def apply(self, records: Iterable[Record], journal: str | None = None,
-              covered: Iterable[str] = ()) -> None:
+              covered: Iterable[str] = (), raws: Iterable[bytes] | None = None) -> None:
         """Apply journal records (and mark ``journal``, and the journals a fold
-        ``covered``, replayed), in one transaction."""
+        ``covered``, replayed), in one transaction. ``raws``: the records'
+        compact JSON, stored as it is instead of encoded again."""
         with self.env.begin(write=True) as txn:
             packs = _PackInfos(txn, self.packs)
-            for record in records:
-                self._apply(txn, record, packs)
+            if raws is None:
+                for record in records:
+                    self._apply(txn, record, packs)
+            else:
+                for record, raw in zip(records, raws, strict=True):
+                    self._apply(txn, record, packs, raw)
             packs.write()
             for name in ([journal] if journal is not None else []) + list(covered):
                 txn.put(name.encode(), b"", db=self.journals)
@@ -405,7 +419,8 @@ class PackIndex:
         with self.env.begin(write=True) as txn:
             txn.delete(pack.encode(), db=self.packs)
 
-    def _apply(self, txn: lmdb.Transaction, record: Record, packs: _PackInfos) -> None:
+    def _apply(self, txn: lmdb.Transaction, record: Record, packs: _PackInfos,
+               raw_record: bytes | None = None) -> None:
         op = record.get("op")
         if op == "pack":
             info = packs.get(record["pack"])
@@ -434,7 +449,10 @@ class PackIndex:
         if current is not None and current["op"] == "put":
             txn.delete(_member(current["pack"], current["off"]), db=self.members)
             packs.add_live(current["pack"], -current["len"])
-        txn.put(key, compact_json(new).encode(), db=self.entries)
+        if new is not record or raw_record is None or \
+                f'"op":"{op}"'.encode() not in raw_record:  # (compact: the listing scans for it)
+            raw_record = compact_json(new).encode()
+        txn.put(key, raw_record, db=self.entries)
         if new["op"] == "put":
             txn.put(_member(new["pack"], new["off"]), key, db=self.members)
             packs.add_live(new["pack"], new["len"])
