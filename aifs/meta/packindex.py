@@ -114,7 +114,7 @@ def encode_fold(node: str, covers: list[str], records: Iterable[bytes],
     as they stream by (a fold may hold millions)."""
     header = {"v": FORMAT_VERSION, "node": node, "dels_after": dels_after, "covers": covers}
     packer = zlib.compressobj(3, wbits=31)  # gzip format
-    out = [packer.compress(json.dumps(header, separators=(",", ":")).encode() + b"\n")]
+    out = [packer.compress(compact_json(header).encode() + b"\n")]
     chunk: list[bytes] = []
     for record in records:
         chunk.append(record)
@@ -316,9 +316,8 @@ class PackIndex:
             for raw_pack, raw in txn.cursor(db=self.packs):
                 info = json.loads(raw)
                 if info.get("live", 0) > 0 and info.get("size"):
-                    yield json.dumps({"op": "pack", "pack": bytes(raw_pack).decode(),
-                                      "size": info["size"], "t": info.get("t", 0)},
-                                     separators=(",", ":")).encode()
+                    yield compact_json({"op": "pack", "pack": bytes(raw_pack).decode(),
+                                        "size": info["size"], "t": info.get("t", 0)}).encode()
             for _, raw in txn.cursor(db=self.entries):
                 if b'"op":"put"' in raw or json.loads(raw)["t"] > keep_deletions_after:
                     yield bytes(raw)
@@ -456,7 +455,6 @@ class PackIndex:
         if new["op"] == "put":
             txn.put(_member(new["pack"], new["off"]), key, db=self.members)
             packs.add_live(new["pack"], new["len"])
-
 
 
 class _PackInfos:
