@@ -335,6 +335,12 @@ class Filesystem:
         pack`` shows only while its original is unchanged (the original is the
         truth for other tools)."""
         await self.packer.journals.refresh_if_stale()
+        # A directory may hold 100,000 packed files: merge them in a worker
+        # thread, so other requests go on meanwhile.
+        await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)
+
+    def _merge_packed(self, directory: Inode, entries: dict[str, Listed],
+                      started: float) -> None:
         prefix = directory.key
         for name, entry in self.packs.children(prefix):
             if not self._acceptable(directory, name, prefix + name):
