@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--pack-compact-below", type=float, help="live share, 0 to 1")
     mount.add_argument("--pack-gc-grace", type=float, help="seconds")
     mount.add_argument("--fsync", choices=["local", "lake"])
+    mount.add_argument("--direct-writes", choices=["true", "false"])
     mount.add_argument("--object-attrs", choices=["true", "false"])
     mount.add_argument("--policy", dest="policy_rules", action="append", default=None,
                        metavar="PATTERN=POLICY", help="a policy rule (repeatable)")
@@ -133,6 +134,7 @@ def _mount(args: argparse.Namespace) -> int:
         "metadata_ttl", "endpoint_url", "region", "profile", "path_style", "sign_payload",
         "max_connections", "request_timeout", "retries", "promote_delay",
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
+        "direct_writes",
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
         "stream_checkpoints", "stream_parts_in_flight", "metrics_port", "metrics_address",

@@ -101,6 +101,9 @@ class Config:
                                    "the newest journals can still read from it.", "float")
     fsync: str = _option("local", "What fsync waits for: 'local' (the data is durable on "
                          "the local disk) or 'lake' (the file is in the lake).")
+    direct_writes: bool = _option(True, "Pass writes of write-only handles to the daemon "
+                                  "past the kernel's page cache (FUSE direct I/O): faster, "
+                                  "and written data is cached once, not twice.", "bool")
     object_attrs: bool = _option(True, "Read POSIX attributes (mode, owner, mtime, xattrs, "
                                  "symlinks) from object metadata with one HEAD per object "
                                  "on its first lookup; false trusts listings alone.", "bool")

@@ -802,6 +802,17 @@ class Filesystem:
             self._maybe_stream(inode)
         return fh, keep_cache
 
+    def writes_direct(self, flags: int) -> bool:
+        """Whether a handle opened with ``flags`` has its writes passed to the
+        daemon as they come, past the kernel's page cache (FOPEN_DIRECT_IO):
+        write-only handles, which cannot be mapped or read. Through the page
+        cache every written byte was copied once more and kept twice (the
+        mount's pages and the local copy's), and a write of a file past a few
+        GiB so cached ran at a third of the speed. Readers stay right because
+        the kernel drops the pages a direct write covers (6.18 does; see
+        SEMANTICS.md for older kernels)."""
+        return self.config.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
+
     def _maybe_stream(self, inode: Inode) -> None:
         """A file opened empty for writing: a checkpoint is uploaded as it is written."""
         if self.checkpoints.streams(inode):

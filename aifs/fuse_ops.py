@@ -176,14 +176,16 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh, keep_cache = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache,
+                                direct_io=self.fs.writes_direct(flags))
 
     @_replies
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, inode = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh), self._entry(inode)
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.fs.writes_direct(flags)), \
+            self._entry(inode)
 
     @_replies
     async def write(self, fh: int, off: int, buf: bytes) -> int:

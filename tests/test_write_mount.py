@@ -207,6 +207,50 @@ def test_append(lake, mounter, aifs_cli):
     assert lake.get("log") == b"start-one-twoABA"
 
 
+@pytest.mark.parametrize("direct", ["true", "false"])
+def test_readers_see_what_write_only_handles_wrote(lake, mounter, aifs_cli, direct):
+    """Write-only handles bypass the kernel's page cache (``direct_writes``): a
+    reader that cached the file, by read or by a shared mapping, still sees every
+    byte written afterwards; read-write handles can still be mapped writable."""
+    import mmap
+    mount = mount_rw(lake, mounter, "--direct-writes", direct)
+    path = mount.path / "shared.bin"
+    original = os.urandom(4 * MiB)
+    path.write_bytes(original)
+    stack = contextlib.ExitStack()
+    reader = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(reader, 4 * MiB, 0) == original  # now in the page cache
+        mapped = stack.enter_context(mmap.mmap(reader, 4 * MiB, prot=mmap.PROT_READ))
+        assert mapped[MiB:MiB + 8] == original[MiB:MiB + 8]
+        patch = os.urandom(64 * 1024 + 3)
+        writer = os.open(path, os.O_WRONLY)
+        try:
+            assert os.pwrite(writer, patch, MiB + 100) == len(patch)
+            assert os.pread(reader, len(patch), MiB + 100) == patch  # before close too
+        finally:
+            os.close(writer)
+        expected = original[:MiB + 100] + patch + original[MiB + 100 + len(patch):]
+        assert mapped[:] == expected
+        with open(path, "ab") as fp:
+            fp.write(b"tail")
+        assert os.fstat(reader).st_size == 4 * MiB + 4
+        assert os.pread(reader, 8, 4 * MiB - 4) == expected[-4:] + b"tail"
+    finally:
+        stack.close()  # the mapping goes before its descriptor: the mount can go
+        os.close(reader)
+    expected += b"tail"
+    assert path.read_bytes() == expected
+    with open(path, "r+b") as fp:  # read-write: mappable for writing as ever
+        with mmap.mmap(fp.fileno(), 0) as writable:
+            writable[:4] = b"MMAP"
+            writable.flush()
+    expected = b"MMAP" + expected[4:]
+    assert path.read_bytes() == expected
+    sync(aifs_cli, mount.path)
+    assert lake.get("shared.bin") == expected
+
+
 # -- metadata --------------------------------------------------------------------
 def test_chmod_chown_utime(lake, mounter, aifs_cli):
     mount = mount_rw(lake, mounter)
