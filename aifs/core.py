@@ -926,7 +926,12 @@ class Filesystem:
         first, last = offset // bs, (end - 1) // bs
         ahead = handle.readahead.observe(offset, end - offset)
         if ahead:
-            self.fetcher.prefetch(version, last, (end - 1 + ahead) // bs)
+            # From the block this read ends in (the rest of it is read next),
+            # unless the read takes that one block to its end itself: a sample
+            # read whole needs no read-ahead request for its own block.
+            whole_block = first == last and end >= min((last + 1) * bs, version.size)
+            self.fetcher.prefetch(version, last + 1 if whole_block else last,
+                                  (end - 1 + ahead) // bs)
         if first == last:  # the common case: a view, no copy
             return await self.fetcher.read(version, first, offset - first * bs,
                                            end - first * bs)

@@ -43,6 +43,7 @@ nothing: commits are in the page cache); ``sync()`` makes it durable.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -130,8 +131,9 @@ class Inode:
         known = _DECODED.get(key)
         if known is None:
             known = cls(**json.loads(key))
-            if len(_DECODED) >= DECODED_KEPT:
-                _DECODED.clear()
+            if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
+                for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
+                    del _DECODED[old]
             _DECODED[key] = known
         inode = cls.__new__(cls)
         inode.__dict__.update(known.__dict__)
