@@ -98,11 +98,13 @@ class FuseDaemon:
 
 
 @contextlib.contextmanager
-def fuse_floor(mountpoint: Path):
+def fuse_floor(mountpoint: Path, discard: bool = False):
     """The do-nothing pyfuse3 filesystem of ``fuse_floor.py`` mounted at
-    ``mountpoint`` for the block; unmounted (and its process gone) after it."""
-    daemon = FuseDaemon([sys.executable, str(Path(__file__).with_name("fuse_floor.py")),
-                         str(mountpoint)], mountpoint, None, "the do-nothing filesystem")
+    ``mountpoint`` for the block (``discard``: it keeps no written bytes);
+    unmounted (and its process gone) after it."""
+    command = [sys.executable, str(Path(__file__).with_name("fuse_floor.py")), str(mountpoint)]
+    daemon = FuseDaemon(command + (["--discard"] if discard else []), mountpoint, None,
+                        "the do-nothing filesystem")
     try:
         yield mountpoint
     finally:

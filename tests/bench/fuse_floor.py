@@ -3,13 +3,17 @@ one FUSE request through the kernel, pyfuse3 and trio on this machine. The
 benchmarks run the same create and read loops through it beside aifs, so a
 per-file figure can be read against what any pyfuse3 daemon could reach.
 
-    python tests/bench/fuse_floor.py MOUNTPOINT    (serves until unmounted)
+    python tests/bench/fuse_floor.py MOUNTPOINT [--discard]   (serves until unmounted)
+
+With ``--discard`` written bytes are counted, not kept (reads give zeros): the
+floor of a write, with no copy into memory that a real daemon would not make.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import stat
-import sys
 
 import pyfuse3
 import trio
@@ -17,11 +21,18 @@ import trio
 TIMEOUT = 300.0  # like a long aifs metadata TTL: a warm stat never reaches Python
 
 
+def _write_only(flags: int) -> bool:
+    """Write-only handles skip the page cache, as aifs's do (the faster way)."""
+    return flags & os.O_ACCMODE == os.O_WRONLY
+
+
 class FloorFS(pyfuse3.Operations):
     """Files and directories in dicts; no checks beyond what the loops need."""
 
-    def __init__(self) -> None:
+    def __init__(self, discard: bool = False) -> None:
         super().__init__()
+        self.discard = discard
+        self.sizes: dict[int, int] = {}  # with discard: the size each file reached
         self.children: dict[tuple[int, bytes], int] = {}
         self.modes: dict[int, int] = {pyfuse3.ROOT_INODE: stat.S_IFDIR | 0o755}
         self.data: dict[int, bytearray] = {}
@@ -32,7 +43,7 @@ class FloorFS(pyfuse3.Operations):
         entry.st_ino = ino
         entry.st_mode = self.modes[ino]
         entry.st_nlink = 1
-        entry.st_size = len(self.data.get(ino, b""))
+        entry.st_size = self.sizes.get(ino, 0) if self.discard else len(self.data.get(ino, b""))
         entry.st_blksize = 1 << 20
         entry.entry_timeout = entry.attr_timeout = TIMEOUT
         return entry
@@ -67,19 +78,24 @@ class FloorFS(pyfuse3.Operations):
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         ino = self._new(parent_inode, name, stat.S_IFREG | 0o644)
         self.data[ino] = bytearray()
-        return pyfuse3.FileInfo(fh=ino), self._entry(ino)
+        return pyfuse3.FileInfo(fh=ino, direct_io=_write_only(flags)), self._entry(ino)
 
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        return pyfuse3.FileInfo(fh=inode)
+        return pyfuse3.FileInfo(fh=inode, direct_io=_write_only(flags))
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if self.discard:
+            self.sizes[fh] = max(self.sizes.get(fh, 0), off + len(buf))
+            return len(buf)
         data = self.data[fh]
         data[off:off + len(buf)] = buf
         return len(buf)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        return bytes(self.data[fh][off:off + size])
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if self.discard:
+            return bytes(max(0, min(size, self.sizes.get(fh, 0) - off)))
+        return memoryview(self.data[fh])[off:off + size]
 
     async def flush(self, fh: int) -> None:
         return None
@@ -89,9 +105,13 @@ class FloorFS(pyfuse3.Operations):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("mountpoint")
+    parser.add_argument("--discard", action="store_true", help="keep no written bytes")
+    args = parser.parse_args()
     options = set(pyfuse3.default_options)
     options.add("fsname=fuse-floor")
-    pyfuse3.init(FloorFS(), sys.argv[1], options)
+    pyfuse3.init(FloorFS(args.discard), args.mountpoint, options)
     try:
         trio.run(pyfuse3.main)
     finally:
