@@ -171,6 +171,10 @@ class Promoter:
                     force = ino in self._forced
                     self._forced.discard(ino)
                     self._active.add(ino)
+                    # Deciding from now, not from when the task first runs:
+                    # the packer must not take the pause in between for the
+                    # end of a handover and send a pack without this file.
+                    self._deciding.add(ino)
                     self._slots.acquire_nowait()
                     nursery.start_soon(self._promote_task, ino, force)
                 if (self._tombs_due is not None and self._tombs_due <= now
@@ -193,7 +197,6 @@ class Promoter:
     # -- one inode ------------------------------------------------------------
     async def _promote_task(self, ino: int, force: bool) -> None:
         landed = False
-        self._deciding.add(ino)
         try:
             try:
                 landed = await self._promote(ino, force)
