@@ -59,7 +59,7 @@ from aifs.meta.store import (
 )
 from aifs.metrics import Metrics
 from aifs.policy import DATASET, DEFAULT, POLICIES, POLICY_XATTR, WEIGHTS
-from aifs.read.fetcher import BlockFetcher, read_at, verify
+from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify
 from aifs.read.readahead import Readahead
 
 log = logging.getLogger(__name__)
@@ -911,7 +911,7 @@ class Filesystem:
                 # Sequential: have the kernel read the copy ahead, so the reads
                 # that follow find it in the page cache and are served inline.
                 start = max(handle.advised, offset + size)
-                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                read_ahead([(fd, start, end - start)])
                 handle.advised = end
             return await read_at(fd, offset, size, self._disk)
         version = handle.version
