@@ -294,12 +294,17 @@ def tune_kernel(mountpoint: str, readahead: int, max_background: int) -> None:
             log.debug("cannot set %s: %s", path, exc.strerror)
 
 
+def tune_mount(mountpoint: str, config: Config) -> None:
+    """The kernel settings a mount of ``config`` runs with (see tune_kernel)."""
+    if config.kernel_readahead:
+        tune_kernel(mountpoint, config.kernel_readahead, max(12, config.max_connections * 2))
+
+
 async def _announce_ready(mountpoint: str, report: Callable[[str], None],
                           config: Config) -> None:
     """READY only once the mount answers a request, not merely exists."""
     await trio.to_thread.run_sync(os.stat, mountpoint)
-    if config.kernel_readahead:
-        tune_kernel(mountpoint, config.kernel_readahead, max(12, config.max_connections * 2))
+    tune_mount(mountpoint, config)
     sd_notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
     report("OK")
 

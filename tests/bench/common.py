@@ -14,6 +14,9 @@ from pathlib import Path
 
 import conftest
 
+from aifs.config import Config
+from aifs.daemon import tune_mount
+
 
 def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
     """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
@@ -101,11 +104,13 @@ class FuseDaemon:
 def fuse_floor(mountpoint: Path, discard: bool = False):
     """The do-nothing pyfuse3 filesystem of ``fuse_floor.py`` mounted at
     ``mountpoint`` for the block (``discard``: it keeps no written bytes);
-    unmounted (and its process gone) after it."""
+    unmounted (and its process gone) after it. It runs with the readahead
+    window and request queue aifs sets for its own mounts."""
     command = [sys.executable, str(Path(__file__).with_name("fuse_floor.py")), str(mountpoint)]
     daemon = FuseDaemon(command + (["--discard"] if discard else []), mountpoint, None,
                         "the do-nothing filesystem")
     try:
+        tune_mount(str(mountpoint), Config())  # the kernel settings an aifs mount gets
         yield mountpoint
     finally:
         daemon.stop()
