@@ -271,19 +271,20 @@ def _report_drain(left: dict[str, float]) -> None:
               f"and {left['deletes']:.0f} deletes before exiting")
 
 
-def tune_kernel(mountpoint: str, readahead: int, max_background: int) -> None:
+def tune_kernel(device: int, readahead: int, max_background: int) -> None:
     """Widen the kernel's readahead and async request queue for this mount.
 
     The kernel offers FUSE only 128 KiB of readahead, so large sequential reads
     arrive as 128 KiB requests; a wider window lets them arrive as 1 MiB ones
     (FUSE's max_pages), which is what makes reads from the NVMe tier reach
-    local-disk speed. Needs root; without it the defaults stay.
+    local-disk speed. Needs root; without it the defaults stay. ``device`` is
+    the mount's (``st_dev``).
     """
-    dev = os.stat(mountpoint).st_dev
     settings = {
-        f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb": readahead // 1024,
-        f"/sys/fs/fuse/connections/{os.minor(dev)}/max_background": max_background,
-        f"/sys/fs/fuse/connections/{os.minor(dev)}/congestion_threshold":
+        f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb":
+            readahead // 1024,
+        f"/sys/fs/fuse/connections/{os.minor(device)}/max_background": max_background,
+        f"/sys/fs/fuse/connections/{os.minor(device)}/congestion_threshold":
             max_background * 3 // 4,
     }
     for path, value in settings.items():
@@ -294,17 +295,20 @@ def tune_kernel(mountpoint: str, readahead: int, max_background: int) -> None:
             log.debug("cannot set %s: %s", path, exc.strerror)
 
 
-def tune_mount(mountpoint: str, config: Config) -> None:
-    """The kernel settings a mount of ``config`` runs with (see tune_kernel)."""
+def tune_mount(device: int, config: Config) -> None:
+    """The kernel settings a mount (``st_dev``) of ``config`` runs with (see tune_kernel)."""
     if config.kernel_readahead:
-        tune_kernel(mountpoint, config.kernel_readahead, max(12, config.max_connections * 2))
+        tune_kernel(device, config.kernel_readahead, max(12, config.max_connections * 2))
 
 
 async def _announce_ready(mountpoint: str, report: Callable[[str], None],
                           config: Config) -> None:
     """READY only once the mount answers a request, not merely exists."""
-    await trio.to_thread.run_sync(os.stat, mountpoint)
-    tune_mount(mountpoint, config)
+    # Never stat the mount on this thread: the request would wait for this
+    # very thread to answer it (it did, once the root's attributes had been
+    # invalidated by a write: the daemon hung).
+    st = await trio.to_thread.run_sync(os.stat, mountpoint)
+    tune_mount(st.st_dev, config)
     sd_notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
     report("OK")
 

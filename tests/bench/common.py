@@ -110,7 +110,7 @@ def fuse_floor(mountpoint: Path, discard: bool = False):
     daemon = FuseDaemon(command + (["--discard"] if discard else []), mountpoint, None,
                         "the do-nothing filesystem")
     try:
-        tune_mount(str(mountpoint), Config())  # the kernel settings an aifs mount gets
+        tune_mount(os.stat(mountpoint).st_dev, Config())  # the kernel settings an aifs mount gets
         yield mountpoint
     finally:
         daemon.stop()
