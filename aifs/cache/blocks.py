@@ -38,6 +38,7 @@ from pathlib import Path
 
 import xxhash
 
+from aifs.cache.direct import DirectWriter
 from aifs.policy import DATASET, POLICY_XATTR
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class BlockCache:
         self.used = 0
         self.evictions = 0
         self.refused = 0  # blocks not admitted (a full dataset share, or all pinned)
+        self._writer = DirectWriter()  # blocks skip the page cache: they are in memory
         self._scan()
 
     def _scan(self) -> None:
@@ -168,8 +170,7 @@ class BlockCache:
             if not path.parent.is_dir():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._label(path.parent, version)
-            with open(tmp, "wb") as fp:
-                fp.write(data)
+            self._writer.write_file(tmp, data)
             os.rename(tmp, path)
         except OSError as exc:
             # A full or failing cache disk costs speed, not correctness.

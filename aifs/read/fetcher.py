@@ -123,6 +123,9 @@ class BlockFetcher:
         self._flights: dict[tuple[str, int], _Flight] = {}
         self._prefetch_slots = trio.Semaphore(max_prefetch)
         self._disk_limiter = trio.CapacityLimiter(8)
+        # Stores write to the disk synchronously (past the page cache): their
+        # own threads, so that a burst of them never keeps readers from the disk.
+        self._store_limiter = trio.CapacityLimiter(4)
         self._nursery: trio.Nursery | None = None
         #: called on the trio thread before a block is stored: frees space held
         #: outside the block cache (whole local copies) where blocks alone cannot
@@ -274,7 +277,7 @@ class BlockFetcher:
             try:
                 self.make_room(self._storing)  # blocks on their way to disk count too
                 flight.admitted = await trio.to_thread.run_sync(
-                    self.cache.store, version, index, data, limiter=self._disk_limiter)
+                    self.cache.store, version, index, data, limiter=self._store_limiter)
             finally:
                 self._storing -= len(data)
         except Exception as exc:  # handed to every waiter
