@@ -4,6 +4,7 @@ readiness (sd_notify and the parent's pipe), clean shutdown."""
 from __future__ import annotations
 
 import errno
+import faulthandler
 import fcntl
 import json
 import logging
@@ -62,6 +63,18 @@ def setup_logging(level: str, log_file: str | None, log_format: str = "text") ->
     root.setLevel(level.upper())
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def enable_stack_dumps() -> None:
+    """``kill -USR1 PID`` writes every thread's Python stack to the log (or
+    stderr): the one way to see where a daemon that stopped answering hangs,
+    since its own threads may be the ones stuck."""
+    out = next((h.stream for h in logging.getLogger().handlers
+                if isinstance(h, logging.FileHandler)), sys.stderr)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+    except (AttributeError, ValueError, OSError) as exc:  # no fileno: no dumps
+        log.debug("no stack dumps on SIGUSR1: %s", exc)
 
 
 class JournalFormatter(logging.Formatter):
@@ -199,6 +212,7 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
     # The trio thread answers FUSE requests while lake threads stream bodies;
     # a short GIL switch interval keeps request latency low under that load.
     sys.setswitchinterval(0.0005)
+    enable_stack_dumps()
     try:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)

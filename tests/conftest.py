@@ -4,13 +4,16 @@ RADOS Gateway when the script is there) and real FUSE mounts in subprocesses."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gzip
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -225,6 +228,9 @@ class Mount:
     """``aifs mount --foreground`` in a subprocess (pyfuse3 allows one mount per
     process); unmounted with ``aifs umount`` on close."""
 
+    #: daemons running now, for the hang watchdog
+    live: set[Mount] = set()
+
     def __init__(self, lake: Lake, mountpoint: Path, cache_dir: Path, log: Path,
                  extra: list[str]) -> None:
         self.lake = lake
@@ -239,6 +245,7 @@ class Mount:
                 [sys.executable, "-m", "aifs", "mount", lake.url, str(mountpoint),
                  "--foreground", "--cache-dir", str(cache_dir), "--log-level", "debug",
                  *lake.args, *extra], env=env, stdout=fp, stderr=subprocess.STDOUT)
+        Mount.live.add(self)
         try:
             wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
                      60, f"mount on {mountpoint}")
@@ -260,16 +267,63 @@ class Mount:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError("aifs daemon did not exit after unmount") from None
+        finally:
+            Mount.live.discard(self)
         assert not os.path.ismount(self.path)
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        Mount.live.discard(self)
         subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False,
                        capture_output=True)
 
+    def dump_stacks_and_kill(self) -> None:
+        """For a daemon that stopped answering: its threads' stacks go to its
+        log (SIGUSR1), then SIGKILL, which ends the kernel's wait of whatever
+        test call was blocked on the mount (ENOTCONN)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)
+        self.kill()
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
+
+
+@pytest.fixture(autouse=True)
+def hang_watchdog(request) -> Iterator[None]:
+    """A test that runs past ``AIFS_TEST_TIMEOUT`` seconds (900) fails instead
+    of holding the run until CI's own limit: the daemons still running get
+    their stacks written to their logs and are killed, which ends any call of
+    the test blocked on their mounts. Should the test still not end, the run
+    stops five minutes later with the stacks of pytest's own threads."""
+    killed: list[Mount] = []
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        for mount in Mount.live.copy():
+            killed.append(mount)
+            mount.dump_stacks_and_kill()
+
+    timer = threading.Timer(TEST_TIMEOUT, fire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(TEST_TIMEOUT + 300, exit=True)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+    if fired.is_set():
+        stacks = "\n".join(f"--- {m.log} ---\n{m.log_text()[-4000:]}" for m in killed)
+        pytest.fail(f"ran past {TEST_TIMEOUT:.0f} s; {len(killed)} aifs daemon(s) killed "
+                    f"(their stacks are at the end of their logs)\n{stacks}", pytrace=False)
 
 
 @pytest.fixture

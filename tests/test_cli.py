@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from conftest import process_alive, wait_for
@@ -131,3 +132,14 @@ def test_sigterm_unmounts_cleanly(lake, mounter):
     os.kill(mount.proc.pid, 15)
     assert mount.proc.wait(30) == 0
     assert not os.path.ismount(mount.path)
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_serving_goes_on(lake, mounter):
+    """How an operator (or the tests' hang watchdog) sees where a daemon is stuck."""
+    mount = mounter(lake)
+    os.kill(mount.proc.pid, signal.SIGUSR1)
+    wait_for(lambda: "Current thread" in mount.log_text() or None, 10, "a stack dump")
+    assert "aifs/daemon.py" in mount.log_text().split("Current thread")[-1]
+    (mount.path / "after").write_bytes(b"still serving")
+    assert (mount.path / "after").read_bytes() == b"still serving"
