@@ -285,21 +285,35 @@ def _report_drain(left: dict[str, float]) -> None:
               f"and {left['deletes']:.0f} deletes before exiting")
 
 
-def tune_kernel(device: int, readahead: int, max_background: int) -> None:
-    """Widen the kernel's readahead and async request queue for this mount.
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def tune_mount(device: int, config: Config) -> None:
+    """Widen the kernel's readahead and async request queue for the mount
+    whose ``st_dev`` is ``device``.
 
     The kernel offers FUSE only 128 KiB of readahead, so large sequential reads
-    arrive as 128 KiB requests; a wider window lets them arrive as 1 MiB ones
-    (FUSE's max_pages), which is what makes reads from the NVMe tier reach
-    local-disk speed. Needs root; without it the defaults stay. ``device`` is
-    the mount's (``st_dev``).
+    arrive as 128 KiB requests; a wider window (``kernel_readahead``) lets them
+    arrive as 1 MiB ones (FUSE's max_pages), which is what makes reads from the
+    NVMe tier reach local-disk speed. The queue of async requests (readahead
+    among them; 12 by default) grows with the lake connections. Needs root;
+    without it the defaults stay. The queue lives in the fusectl filesystem,
+    which systemd mounts at boot; where nothing did, it is mounted here.
     """
+    if not config.kernel_readahead:
+        return
+    queue = max(12, config.max_connections * 2)
+    connection = f"{FUSECTL}/{os.minor(device)}"
+    if not os.path.isdir(connection) and os.path.isdir(FUSECTL):
+        result = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            log.debug("cannot mount fusectl: %s", result.stderr.strip())
     settings = {
         f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb":
-            readahead // 1024,
-        f"/sys/fs/fuse/connections/{os.minor(device)}/max_background": max_background,
-        f"/sys/fs/fuse/connections/{os.minor(device)}/congestion_threshold":
-            max_background * 3 // 4,
+            config.kernel_readahead // 1024,
+        f"{connection}/max_background": queue,
+        f"{connection}/congestion_threshold": queue * 3 // 4,
     }
     for path, value in settings.items():
         try:
@@ -307,12 +321,6 @@ def tune_kernel(device: int, readahead: int, max_background: int) -> None:
                 fp.write(f"{value}\n")
         except OSError as exc:
             log.debug("cannot set %s: %s", path, exc.strerror)
-
-
-def tune_mount(device: int, config: Config) -> None:
-    """The kernel settings a mount (``st_dev``) of ``config`` runs with (see tune_kernel)."""
-    if config.kernel_readahead:
-        tune_kernel(device, config.kernel_readahead, max(12, config.max_connections * 2))
 
 
 async def _announce_ready(mountpoint: str, report: Callable[[str], None],

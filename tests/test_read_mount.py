@@ -187,3 +187,18 @@ def test_cache_capacity_is_respected(lake, mounter):
                     total += os.stat(os.path.join(top, name)).st_size
         return total
     wait_for(lambda: 0 < on_disk() <= 4 * BLOCK, 10, "cache within its capacity")
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)
+def test_mount_gets_its_kernel_readahead_and_request_queue(lake, mounter):
+    """What makes large reads arrive as 1 MiB requests, many at once (root only;
+    the queue lives in fusectl, which the daemon mounts where nothing did)."""
+    if os.geteuid() != 0:
+        pytest.skip("the kernel settings need root")
+    mount = mounter(lake, "--kernel-readahead", "32M", "--max-connections", "20")
+    device = os.stat(mount.path).st_dev
+    bdi = f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb"
+    connection = f"/sys/fs/fuse/connections/{os.minor(device)}"
+    wait_for(lambda: open(bdi).read().strip() == str(32 * 1024), 10, "the readahead window")
+    assert open(f"{connection}/max_background").read().strip() == "40"
+    assert open(f"{connection}/congestion_threshold").read().strip() == "30"
