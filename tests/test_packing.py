@@ -342,3 +342,27 @@ def test_aifs_pack_of_objects_written_by_another_tool(lake, mounter, aifs_cli):
         os.getxattr(a.path / changed, "user.aifs.pack")
     again = aifs_cli("pack", str(a.path / "ext"), "--quiet")
     assert again.returncode == 0 and "1 files" in again.stdout, again.stdout
+
+
+def test_aifs_pack_keeps_the_s3fs_attributes_of_the_objects(s3_lake, mounter, aifs_cli):
+    """Objects written by s3fs carry mode, owner and mtime in their metadata:
+    their packed copies must show the same, on this node and on a fresh one."""
+    files = small_files(12, seed=5, dirs=2, top="s3fs")
+    attrs = {name: (0o100600 | (0o040 if i % 2 else 0), 1000 + i, 2000 + i, 1_600_000_000 + i)
+             for i, name in enumerate(sorted(files))}
+    for name, data in files.items():
+        mode, uid, gid, mtime = attrs[name]
+        s3_lake.server.client.put_object(
+            Bucket=s3_lake.bucket, Key=s3_lake.prefix + name, Body=data,
+            Metadata={"mode": str(mode), "uid": str(uid), "gid": str(gid), "mtime": str(mtime)})
+    a = mounter(s3_lake, "--metadata-ttl", "1", name="a")
+    result = aifs_cli("pack", str(a.path / "s3fs"), "--quiet")
+    assert result.returncode == 0, result.stderr
+    b = mounter(s3_lake, name="b")
+    for mount in (a, b):
+        for name, data in files.items():
+            path = mount.path / name
+            assert path.read_bytes() == data
+            assert os.getxattr(path, "user.aifs.pack"), f"{name}: not read from a pack"
+            st = os.stat(path)
+            assert (st.st_mode, st.st_uid, st.st_gid, int(st.st_mtime)) == attrs[name], name
