@@ -330,7 +330,8 @@ async def _announce_ready(mountpoint: str, report: Callable[[str], None],
     # very thread to answer it (it did, once the root's attributes had been
     # invalidated by a write: the daemon hung).
     st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    tune_mount(st.st_dev, config)
+    # Off this thread too: it may run mount(8) for fusectl.
+    await trio.to_thread.run_sync(tune_mount, st.st_dev, config)
     sd_notify(f"READY=1\nSTATUS=serving {mountpoint}\nMAINPID={os.getpid()}")
     report("OK")
 

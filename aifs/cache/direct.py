@@ -11,9 +11,9 @@ from a reused, page-aligned buffer to the disk without allocating any.
 O_DIRECT wants the buffer, offset and length aligned to the device's logical
 block size: the bytes are copied into an aligned buffer (a copy between two
 warm buffers, without the GIL), the length padded to a whole page and the file
-truncated to its size afterwards. Filesystems without O_DIRECT (tmpfs, some
-network and overlay filesystems) get ordinary writes; the first refusal turns
-O_DIRECT off for the directory's lifetime.
+truncated to its size afterwards. Filesystems without O_DIRECT (ramfs, tmpfs
+before Linux 6.6, some network and overlay filesystems) get ordinary writes;
+the first refusal turns O_DIRECT off for this writer's lifetime.
 """
 
 from __future__ import annotations
