@@ -59,8 +59,10 @@ class Config:
     readahead_max: int = _option(parse_size("128M"), "Largest sequential readahead window "
                                  "per open file.", "size")
     kernel_readahead: int = _option(parse_size("16M"), "Kernel readahead window of the "
-                                    "mount (sysfs read_ahead_kb; needs root; 0 keeps the "
-                                    "kernel default of 128K).", "size")
+                                    "mount (sysfs read_ahead_kb); with it the mount's async "
+                                    "request queue grows to twice max_connections (fusectl, "
+                                    "mounted where missing). Needs root; 0 keeps the kernel "
+                                    "defaults (128K, 12 requests).", "size")
     metadata_ttl: float = _option(60.0, "Seconds a directory listing, and the kernel's "
                                   "attribute and entry caches, stay valid before the lake "
                                   "is asked again.", "float")
