@@ -199,6 +199,11 @@ def test_mount_gets_its_kernel_readahead_and_request_queue(lake, mounter):
     device = os.stat(mount.path).st_dev
     bdi = f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb"
     connection = f"/sys/fs/fuse/connections/{os.minor(device)}"
-    wait_for(lambda: open(bdi).read().strip() == str(32 * 1024), 10, "the readahead window")
-    assert open(f"{connection}/max_background").read().strip() == "40"
-    assert open(f"{connection}/congestion_threshold").read().strip() == "30"
+    expected = {bdi: str(32 * 1024), f"{connection}/max_background": "40",
+                f"{connection}/congestion_threshold": "30"}
+
+    def settings() -> dict[str, str]:
+        return {path: open(path).read().strip() for path in expected}
+    # The daemon writes them one after the other once the mount answers.
+    wait_for(lambda: settings() == expected, 10, "the kernel settings")
+    assert settings() == expected

@@ -37,8 +37,8 @@ def _address(buffer: mmap.mmap) -> int:
 class DirectWriter:
     """Writes whole files with O_DIRECT where the filesystem allows it."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled and hasattr(os, "O_DIRECT")
+    def __init__(self) -> None:
+        self.enabled = hasattr(os, "O_DIRECT")  # off after the filesystem's first refusal
         self._lock = threading.Lock()
         self._free: list[tuple[mmap.mmap, int]] = []  # (buffer, its address), reused
 
