@@ -101,14 +101,19 @@ class FuseDaemon:
 
 
 @contextlib.contextmanager
-def fuse_floor(mountpoint: Path, discard: bool = False):
+def fuse_floor(mountpoint: Path, discard: bool = False, store: Path | None = None):
     """The do-nothing pyfuse3 filesystem of ``fuse_floor.py`` mounted at
-    ``mountpoint`` for the block (``discard``: it keeps no written bytes);
+    ``mountpoint`` for the block (``discard``: it keeps no written bytes;
+    ``store``: it keeps them in files there, one ``pwrite`` per request);
     unmounted (and its process gone) after it. It runs with the readahead
     window and request queue aifs sets for its own mounts."""
     command = [sys.executable, str(Path(__file__).with_name("fuse_floor.py")), str(mountpoint)]
-    daemon = FuseDaemon(command + (["--discard"] if discard else []), mountpoint, None,
-                        "the do-nothing filesystem")
+    if discard:
+        command.append("--discard")
+    if store is not None:
+        store.mkdir(parents=True, exist_ok=True)
+        command += ["--store", str(store)]
+    daemon = FuseDaemon(command, mountpoint, None, "the do-nothing filesystem")
     try:
         tune_mount(os.stat(mountpoint).st_dev, Config())  # the kernel settings an aifs mount gets
         yield mountpoint

@@ -3,10 +3,14 @@ one FUSE request through the kernel, pyfuse3 and trio on this machine. The
 benchmarks run the same create and read loops through it beside aifs, so a
 per-file figure can be read against what any pyfuse3 daemon could reach.
 
-    python tests/bench/fuse_floor.py MOUNTPOINT [--discard]   (serves until unmounted)
+    python tests/bench/fuse_floor.py MOUNTPOINT [--discard | --store DIR]
+                                                  (serves until unmounted)
 
 With ``--discard`` written bytes are counted, not kept (reads give zeros): the
 floor of a write, with no copy into memory that a real daemon would not make.
+With ``--store DIR`` each write request is one ``pwrite`` into a file in DIR:
+the floor of a daemon that keeps written data in a local file, as a
+write-back cache must.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ def _write_only(flags: int) -> bool:
 class FloorFS(pyfuse3.Operations):
     """Files and directories in dicts; no checks beyond what the loops need."""
 
-    def __init__(self, discard: bool = False) -> None:
+    def __init__(self, discard: bool = False, store: str | None = None) -> None:
         super().__init__()
-        self.discard = discard
-        self.sizes: dict[int, int] = {}  # with discard: the size each file reached
+        self.discard = discard or store is not None
+        self.store = store
+        self.fds: dict[int, int] = {}  # with store: each file's local file, open for good
+        self.sizes: dict[int, int] = {}  # with discard or store: the size each file reached
         self.children: dict[tuple[int, bytes], int] = {}
         self.modes: dict[int, int] = {pyfuse3.ROOT_INODE: stat.S_IFDIR | 0o755}
         self.data: dict[int, bytearray] = {}
@@ -84,7 +90,18 @@ class FloorFS(pyfuse3.Operations):
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         return pyfuse3.FileInfo(fh=inode, direct_io=_write_only(flags))
 
+    def _local(self, ino: int) -> int:
+        fd = self.fds.get(ino)
+        if fd is None:
+            fd = self.fds[ino] = os.open(os.path.join(str(self.store), str(ino)),
+                                         os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
+
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if self.store is not None:
+            written = os.pwrite(self._local(fh), buf, off)
+            self.sizes[fh] = max(self.sizes.get(fh, 0), off + written)
+            return written
         if self.discard:
             self.sizes[fh] = max(self.sizes.get(fh, 0), off + len(buf))
             return len(buf)
@@ -93,6 +110,8 @@ class FloorFS(pyfuse3.Operations):
         return len(buf)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if self.store is not None:
+            return os.pread(self._local(fh), size, off)
         if self.discard:
             return bytes(max(0, min(size, self.sizes.get(fh, 0) - off)))
         return memoryview(self.data[fh])[off:off + size]
@@ -101,17 +120,21 @@ class FloorFS(pyfuse3.Operations):
         return None
 
     async def release(self, fh: int) -> None:
-        return None
+        fd = self.fds.pop(fh, None)
+        if fd is not None:  # the benchmark may delete the local file now
+            os.close(fd)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("mountpoint")
-    parser.add_argument("--discard", action="store_true", help="keep no written bytes")
+    keep = parser.add_mutually_exclusive_group()
+    keep.add_argument("--discard", action="store_true", help="keep no written bytes")
+    keep.add_argument("--store", metavar="DIR", help="keep written bytes in files in DIR")
     args = parser.parse_args()
     options = set(pyfuse3.default_options)
     options.add("fsname=fuse-floor")
-    pyfuse3.init(FloorFS(args.discard), args.mountpoint, options)
+    pyfuse3.init(FloorFS(args.discard, args.store), args.mountpoint, options)
     try:
         trio.run(pyfuse3.main)
     finally:

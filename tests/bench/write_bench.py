@@ -13,6 +13,7 @@ Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
-from common import aifs_sync, bench_lake, boto3_multipart  # noqa: E402
+from common import aifs_sync, bench_lake, boto3_multipart, fuse_floor  # noqa: E402
 from conftest import delete_prefix  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
@@ -157,6 +158,14 @@ def main() -> int:
         def record(name: str, value: float) -> None:
             runs.setdefault(name, []).append(value)
 
+        # The floors: what any pyfuse3 daemon reaches for the same writes, mounted
+        # beside aifs for the whole run (see fuse_floor.py).
+        floors = contextlib.ExitStack()
+        stops.insert(0, floors.close)
+        discard = floors.enter_context(fuse_floor(work / "floor-discard", discard=True))
+        store_dir = work / "floor-store"
+        store = floors.enter_context(fuse_floor(work / "floor-keep", store=store_dir))
+
         record("aifs_cli_startup_s", cli_startup())
         for rep in range(args.runs):
             print(f"run {rep + 1}/{args.runs}", file=sys.stderr, flush=True)
@@ -177,6 +186,14 @@ def main() -> int:
             record("aifs_close_to_lake_s", in_lake - closed)
             record("aifs_open_to_lake_s", in_lake - start)
             check_big(lake, big, size, expected)
+            for name, floor in (("floor_discard_write_s", discard), ("floor_store_write_s", store)):
+                os.sync()
+                record(name, timed_write(floor / f"big-{rep}.bin", 0, size))
+            for kept in store_dir.iterdir():
+                kept.unlink()
+            local_s = runs["local_write_s"][-1]
+            for name in ("aifs_write_s", "floor_discard_write_s", "floor_store_write_s"):
+                record(name.replace("_write_s", "_x_local"), local_s / runs[name][-1])
 
             os.sync()
             if server:
@@ -225,6 +242,8 @@ def main() -> int:
                 delete_prefix(lake, f"boto3/many-{rep}/")
         for name, values in runs.items():
             results[name] = statistics.median(values)
+            if name.endswith("_x_local"):
+                results[name.replace("_x_local", "_x_local_range")] = [min(values), max(values)]
         results.update(size=size, files=args.files, file_size=file_size, runs=args.runs)
         failed = False
     finally:
@@ -265,6 +284,15 @@ def report(args: argparse.Namespace, r: dict[str, float]) -> None:
     print(f"| aifs, 1 MiB writes until close() | {r['aifs_write_s']:.2f} s | "
           f"{rate('aifs_write_s')} | {r['local_write_s'] / r['aifs_write_s']:.2f} x local "
           "(>= 0.8) |")
+    for key, what in (("floor_discard", "do-nothing pyfuse3, bytes discarded"),
+                      ("floor_store", "do-nothing pyfuse3, one pwrite per request into a file")):
+        low, high = r[f"{key}_x_local_range"]
+        print(f"| {what}, until close() | {r[f'{key}_write_s']:.2f} s | "
+              f"{rate(f'{key}_write_s')} | {r[f'{key}_x_local']:.2f} x local "
+              f"(runs: {low:.2f}-{high:.2f}) |")
+    low, high = r["aifs_x_local_range"]
+    print(f"| aifs, ratio to local per run | | | median {r['aifs_x_local']:.2f}, "
+          f"runs {low:.2f}-{high:.2f} |")
     print(f"| {base} | {r['baseline_upload_s']:.2f} s | {rate('baseline_upload_s')} | 1.00 |")
     print(f"| aifs close() until in the lake (aifs sync) | {r['aifs_close_to_lake_s']:.2f} s | "
           f"{rate('aifs_close_to_lake_s')} | "
