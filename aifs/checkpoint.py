@@ -145,8 +145,14 @@ class Checkpoints:
         return self.policy_of(inode) == CHECKPOINT
 
     def streams(self, inode: Inode) -> bool:
-        """Whether ``inode``, written from empty, is uploaded while written."""
-        if not self.config.stream_checkpoints or not self.is_checkpoint(inode):
+        """Whether ``inode``, written from empty, is uploaded while written: a
+        checkpoint (``stream_checkpoints``) or any other file
+        (``stream_large_files``), but never a file under a staging name (its
+        rename would abandon the upload) nor a commit marker (it waits for
+        what it commits)."""
+        enabled = (self.config.stream_checkpoints if self.is_checkpoint(inode)
+                   else self.config.stream_large_files)
+        if not enabled:
             return False
         path = path_of(inode)
         return not self.policies.is_staging(path) and not self.policies.is_marker(path)

@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--staging-hold", type=float, help="seconds")
     mount.add_argument("--checkpoint-keep", type=int)
     mount.add_argument("--stream-checkpoints", choices=["true", "false"])
+    mount.add_argument("--stream-large-files", choices=["true", "false"])
     mount.add_argument("--stream-parts-in-flight", type=int)
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this "
@@ -137,7 +138,8 @@ def _mount(args: argparse.Namespace) -> int:
         "direct_writes",
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
-        "stream_checkpoints", "stream_parts_in_flight", "metrics_port", "metrics_address",
+        "stream_checkpoints", "stream_large_files", "stream_parts_in_flight",
+        "metrics_port", "metrics_address",
         "unmount_timeout", "allow_other", "log_level", "log_file", "log_format",
         "foreground", "fuse_options")}
     overrides["lake"] = lake

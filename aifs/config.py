@@ -131,9 +131,13 @@ class Config:
     stream_checkpoints: bool = _option(True, "Upload parts of a checkpoint file written "
                                        "sequentially while it is still being written.",
                                        "bool")
-    stream_parts_in_flight: int = _option(2, "Parts of a streamed checkpoint uploaded at "
-                                          "once while it is still being written (after "
-                                          "close: parts_in_flight).", "int")
+    stream_large_files: bool = _option(True, "Upload parts of any other file written "
+                                       "sequentially from empty while it is still being "
+                                       "written, once it reaches multipart_threshold.",
+                                       "bool")
+    stream_parts_in_flight: int = _option(2, "Parts of a streamed file uploaded at once "
+                                          "while it is still being written (after close: "
+                                          "parts_in_flight).", "int")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
     metrics_port: int = _option(0, "TCP port of the Prometheus metrics endpoint "

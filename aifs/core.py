@@ -814,7 +814,8 @@ class Filesystem:
         return self.config.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
 
     def _maybe_stream(self, inode: Inode) -> None:
-        """A file opened empty for writing: a checkpoint is uploaded as it is written."""
+        """A file opened empty for writing is uploaded as it is written, once
+        it is large enough (checkpoints and other files; see checkpoint.py)."""
         if self.checkpoints.streams(inode):
             metadata = object_metadata(inode, self.uid, self.gid)
             metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves

@@ -167,7 +167,9 @@ def in_background(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseEx
 
 # -- 2a. the policy xattr ------------------------------------------------------------
 def test_policy_xattr_shows_sets_and_survives_a_remount(lake, mounter, aifs_cli):
-    mount = mounter(lake, "--promote-delay", "0.2", *STREAMING)
+    # only checkpoints stream here, so a stream shows the policy acting
+    mount = mounter(lake, "--promote-delay", "0.2", "--stream-large-files", "false",
+                    *STREAMING)
     m = mount.path
     for rel in ("ckpt", "data", "models", "job/sub"):
         os.makedirs(m / rel)

@@ -200,19 +200,25 @@ def assert_no_uploads_left(lake) -> None:
     assert lake_uploads(lake) == [], "unfinished multipart uploads left in the lake"
 
 
-def test_kill_while_a_file_is_being_written(lake, mounter, aifs_cli, tmp_path):
+def kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path: Path, mount_args: tuple[str, ...],
+                          moment: str, then=None, what: str = "") -> None:
+    """Close some files, leave a 64 MiB one open, SIGKILL the daemon once the writer
+    says ``moment`` (and ``then()`` holds), recover, check the lake: the closed files
+    exact, the open one a prefix of what was written, no object ever partial."""
     sources = make_sources(tmp_path / "src", {
         "small.txt": 100, "empty": 0, "one-mib.bin": MiB + 7, "dir/multi.bin": 20 * MiB + 3})
     stream = make_sources(tmp_path / "src", {"partial.bin": 64 * MiB})["partial.bin"]
-    poller = SizePoller(lake, list(sources))
+    poller = SizePoller(lake, [*sources, "partial.bin"])
     writer = None
     try:
-        mount = mounter(lake, "--promote-delay", "0.2", name="first")
+        mount = mounter(lake, "--promote-delay", "0.2", *mount_args, name="first")
         writer = Writer(mount.path, {n: s.path for n, s in sources.items()},
                         tmp_path / "writer.log", partial=("partial.bin", stream.path))
         for name in sources:
             writer.expect(f"closed {name}")
-        writer.expect("writing")
+        writer.expect(moment)
+        if then is not None:
+            wait_for(then, 60, what, interval=0.01)
         kill_daemon(mount)
         writer.stop()
         again = mounter(lake, "--promote-delay", "0.2", name="second", cache="first")
@@ -229,7 +235,24 @@ def test_kill_while_a_file_is_being_written(lake, mounter, aifs_cli, tmp_path):
         poller.stop()
         if writer:
             writer.stop()
-    poller.check({n: s.size for n, s in sources.items()})
+    poller.check({n: s.size for n, s in sources.items()} | {"partial.bin": len(content)})
+
+
+def test_kill_while_a_file_is_being_written(lake, mounter, aifs_cli, tmp_path):
+    kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path, (), "writing")
+
+
+def test_kill_while_a_large_file_is_streamed(lake, mounter, aifs_cli, tmp_path):
+    """The open file is being uploaded while written (streaming): killed once the
+    lake holds some of its parts. The next mount aborts that upload and promotes
+    what the local copy holds; the key never shows a partial object."""
+    kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path,
+                          ("--part-size", "5M", "--multipart-threshold", "5M"), "written",
+                          # dir/multi.bin streamed too: once it is complete, the
+                          # parts left are the open file's
+                          lambda: (lake_size(lake, "dir/multi.bin") == 20 * MiB + 3
+                                   and lake_upload_parts(lake) > 0),
+                          "parts of the open file in the lake")
 
 
 def test_kill_after_close_before_upload(lake, mounter, aifs_cli, tmp_path):
@@ -271,8 +294,10 @@ def kill_during_multipart(lake, mounter, aifs_cli, tmp_path: Path, size: int,
     poller = SizePoller(lake, list(sources))
     writer = None
     try:
+        # promoted after close by the promoter, not streamed while written
         mount = mounter(lake, "--part-size", "5M", "--parts-in-flight", "1",
-                        "--promote-delay", "0", name="first")
+                        "--promote-delay", "0", "--stream-large-files", "false",
+                        name="first")
         writer = Writer(mount.path, {n: s.path for n, s in sources.items()},
                         tmp_path / "writer.log")
         writer.expect("closed big.bin", timeout=300)

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import lake_keys, lake_meta, lake_tree, mtime_ns_of
+from conftest import (
+    lake_keys,
+    lake_meta,
+    lake_size,
+    lake_tree,
+    lake_upload_parts,
+    lake_uploads,
+    mtime_ns_of,
+    wait_for,
+)
 
 MiB = 1 << 20
 RENAME_NOREPLACE = 1
@@ -494,6 +503,107 @@ def test_rename_or_unlink_while_uploading_leaves_no_stale_object(lake, mounter, 
     assert not stale, f"objects left under names renamed away or unlinked: {stale}"
     assert_same(lake_tree(lake)[0], expected, "lake objects")
     assert names(m) == sorted(expected)
+
+
+# -- streaming: large files uploaded while written -------------------------------------
+SMALL_PARTS = ("--part-size", "5M", "--multipart-threshold", "5M")
+
+
+def write_front_to_back(fd: int, data: bytes | bytearray, start: int, end: int) -> None:
+    for offset in range(start, end, MiB):
+        chunk = data[offset:min(offset + MiB, end)]
+        assert os.write(fd, chunk) == len(chunk)
+
+
+def test_large_file_is_uploaded_while_it_is_written(lake, mounter, aifs_cli):
+    """Not a checkpoint: a plain file written front to back has parts in the lake
+    while it is open, no object until it is closed, and the whole object soon
+    after close although promote_delay is an hour."""
+    mount = mounter(lake, "--promote-delay", "3600", *SMALL_PARTS)
+    os.makedirs(mount.path / "exports")
+    path = mount.path / "exports" / "table.dat"
+    data = random.Random(7).randbytes(20 * MiB + 12345)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        assert os.getxattr(path, "user.aifs.policy") == b"default"
+        write_front_to_back(fd, data, 0, 12 * MiB)
+        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+        assert lake_size(lake, "exports/table.dat") is None, "a partial object is visible"
+        write_front_to_back(fd, data, 12 * MiB, len(data))
+    finally:
+        os.close(fd)
+    wait_for(lambda: lake_size(lake, "exports/table.dat") == len(data), 30,
+             "exports/table.dat in the lake soon after close")
+    assert lake.get("exports/table.dat") == data
+    assert lake_uploads(lake) == []
+    assert path.read_bytes() == data
+
+
+def test_large_file_rewritten_after_close_is_promoted_whole(lake, mounter, aifs_cli):
+    """Streams broken every way a writer can: a write after close (racing the
+    completion of the upload), a truncate while open, a write behind what was
+    uploaded. Whatever the timing, the lake ends with the last bytes written and
+    no upload left open."""
+    mount = mounter(lake, "--promote-delay", "0.2", *SMALL_PARTS)
+    m = mount.path
+    rng = random.Random(8)
+    expected: dict[str, bytes] = {}
+
+    # written after close: reopened at once, a patch near the front
+    after = bytearray(rng.randbytes(14 * MiB))
+    fd = os.open(m / "after-close.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    write_front_to_back(fd, after, 0, len(after))
+    os.close(fd)
+    patch = rng.randbytes(MiB + 5)
+    fd = os.open(m / "after-close.bin", os.O_WRONLY)
+    os.pwrite(fd, patch, 3)
+    os.close(fd)
+    after[3:3 + len(patch)] = patch
+    expected["after-close.bin"] = bytes(after)
+    sync(aifs_cli, m)  # so the uploads awaited below are the next file's
+    assert lake.get("after-close.bin") == after
+    wait_for(lambda: not lake_uploads(lake), 20, "no upload left after sync")
+
+    # truncated while open, once parts are in the lake, then written on
+    truncated = bytearray(rng.randbytes(16 * MiB))
+    fd = os.open(m / "truncated.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        write_front_to_back(fd, truncated, 0, 12 * MiB)
+        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+        os.ftruncate(fd, 7 * MiB)
+        del truncated[7 * MiB:]
+        tail = rng.randbytes(3 * MiB)
+        os.pwrite(fd, tail, 7 * MiB)
+        truncated += tail
+    finally:
+        os.close(fd)
+    expected["truncated.bin"] = bytes(truncated)
+    sync(aifs_cli, m)
+    wait_for(lambda: not lake_uploads(lake), 20, "no upload left after sync")
+
+    # overwritten behind the upload while open
+    behind = bytearray(rng.randbytes(15 * MiB))
+    fd = os.open(m / "behind.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        write_front_to_back(fd, behind, 0, 12 * MiB)
+        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+        patch = rng.randbytes(2 * MiB)
+        os.pwrite(fd, patch, MiB)
+        behind[MiB:3 * MiB] = patch
+        write_front_to_back(fd, behind, 12 * MiB, len(behind))
+    finally:
+        os.close(fd)
+    expected["behind.bin"] = bytes(behind)
+
+    sync(aifs_cli, m)
+    for name, data in expected.items():
+        assert lake_size(lake, name) == len(data), name
+        assert lake.get(name) == data, f"{name}: other bytes in the lake"
+        assert (m / name).read_bytes() == data, f"{name} through the mount"
+    wait_for(lambda: not lake_uploads(lake), 20, "the abandoned uploads aborted")
+    log = mount.log_text()
+    assert "streaming upload of truncated.bin abandoned: truncated" in log
+    assert "streaming upload of behind.bin abandoned: not written front to back" in log
 
 
 def test_rename_error_cases_and_directories(lake, mounter, aifs_cli):

@@ -1,17 +1,21 @@
-"""Streaming promotion: a checkpoint file written front to back has its
-multipart parts uploaded while it is still being written, so it reaches the
-lake soon after close instead of a whole upload after it.
+"""Streaming promotion: a large file written front to back has its multipart
+parts uploaded while it is still being written, so it reaches the lake soon
+after close instead of a whole upload after it. Checkpoints were the first
+case; any other file (a dataset shard, an export, a log) gains the same.
 
 A file is a candidate when it is written from empty (created, or opened with
-O_TRUNC) under the checkpoint policy. Once its contiguous written prefix
-reaches ``multipart_threshold`` a multipart upload starts; each part is read
-back from the local copy (page cache) when the writer has gone past its end.
-A write below what was already handed to an upload, a hole, a truncate or a
-write after close breaks the stream: its upload is aborted and the file is
-promoted after close as usual, so a non-sequential writer loses nothing.
-Completion happens only when the promoter takes the closed file, so the lake
-never shows a partial object; a crash leaves an upload the next mount aborts
-(it is recorded before it is created, like every multipart upload).
+O_TRUNC) and the policy lets it stream (``CheckpointPolicy.streams``). Once its
+contiguous written prefix reaches ``multipart_threshold`` a multipart upload
+starts; each part is read back from the local copy (page cache) when the
+writer has gone past its end. A write below what was already handed to an
+upload, a hole, a truncate or a write after close breaks the stream: its
+upload is aborted and the file is promoted after close as usual, so a
+non-sequential writer loses nothing. At most ``MAX_STREAMS`` files stream at
+once (each holds a file descriptor and up to ``parts_in_flight`` parts in
+memory); more writers are promoted after close. Completion happens only when
+the promoter takes the closed file, so the lake never shows a partial object;
+a crash leaves an upload the next mount aborts (it is recorded before it is
+created, like every multipart upload).
 
 The object's metadata is fixed when the upload is created, so it carries mode
 and owner but no ``mtime``: readers take the completion time, which is the
@@ -32,6 +36,8 @@ from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.store import MetaStore
 
 log = logging.getLogger(__name__)
+
+MAX_STREAMS = 16
 
 
 class Stream:
@@ -124,6 +130,9 @@ class Streams:
             self._candidates[ino] = (key, path, metadata, end)
             return
         del self._candidates[ino]
+        if len(self._streams) >= MAX_STREAMS:
+            log.debug("%s not streamed: %d files stream already", key, len(self._streams))
+            return
         stream = self._streams[ino] = Stream(ino, key, path, metadata, end)
         self.started += 1
         assert self._nursery is not None

@@ -5,10 +5,12 @@ writes to a local file on the cache disk; a boto3 multipart upload, or on the
 local lake a copy into the lake directory). The 2 GiB write also goes through
 two do-nothing pyfuse3 filesystems (``fuse_floor.py``: bytes discarded, and one
 ``pwrite`` per request into a local file), the floors of any pyfuse3 daemon and
-of any write-back one; the order of the four writes turns from run to run.
+of any write-back one, and through a second aifs mount that does not stream
+(``--stream-large-files false``: the upload starts at close); the order of the
+five writes turns from run to run.
 
     python tests/bench/write_bench.py --lake local|moto|ceph [--size 2G] [--files 10000]
-                                      [--file-size 64K] [--runs 4]
+                                      [--file-size 64K] [--runs 5]
 
 Needs root and /dev/fuse. Unmounts and stops all it starts, also on failure.
 """
@@ -127,8 +129,8 @@ def main() -> int:
     parser.add_argument("--parts-in-flight", type=int, default=8)
     parser.add_argument("--promote-workers", type=int, default=4)
     parser.add_argument("--promote-delay", default="2", help="seconds (aifs sync skips it)")
-    parser.add_argument("--runs", type=int, default=4,
-                        help="interleaved runs (medians reported; 4 turn the order once)")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="interleaved runs (medians reported; 5 turn the order once)")
     parser.add_argument("--sync-timeout", type=float, default=1800,
                         help="seconds one `aifs sync` may take before the run fails")
     parser.add_argument("--json", help="write results here too")
@@ -177,16 +179,21 @@ def main() -> int:
             mount = conftest.Mount(lake, work / "mnt", work / f"cache-{rep}",
                                    work / "aifs.log", mount_args)
             mounts.append(mount)
+            plain = conftest.Mount(lake, work / "mnt-plain", work / f"cache-plain-{rep}",
+                                   work / "aifs-plain.log",
+                                   [*mount_args, "--stream-large-files", "false"])
+            mounts.append(plain)
             big = f"big-{rep}.bin"
-            # The four writes of the same bytes, in an order that turns from run to
+            # The five writes of the same bytes, in an order that turns from run to
             # run: whichever goes first meets the emptiest page cache.
             writes: list[tuple[str, Path]] = [("local", local_big), ("aifs", mount.path / big),
+                                              ("aifs_plain", plain.path / f"plain-{big}"),
                                               ("floor_discard", discard / big),
                                               ("floor_store", store / big)]
             shift = rep % len(writes)
             for name, path in writes[shift:] + writes[:shift]:
                 os.sync()
-                if name != "aifs":
+                if not name.startswith("aifs"):
                     record(f"{name}_write_s", timed_write(path, 0, size))
                     continue
                 start = time.perf_counter()
@@ -194,14 +201,17 @@ def main() -> int:
                 closed = time.perf_counter()
                 aifs_sync(path, args.sync_timeout)
                 in_lake = time.perf_counter()
-                record("aifs_write_s", closed - start)
-                record("aifs_close_to_lake_s", in_lake - closed)
-                record("aifs_open_to_lake_s", in_lake - start)
-                check_big(lake, big, size, expected)
+                record(f"{name}_write_s", closed - start)
+                record(f"{name}_close_to_lake_s", in_lake - closed)
+                record(f"{name}_open_to_lake_s", in_lake - start)
+                check_big(lake, path.name, size, expected)
+            plain.unmount()
+            mounts.remove(plain)
+            shutil.rmtree(work / f"cache-plain-{rep}")
             for kept in store_dir.iterdir():
                 kept.unlink()
             local_s = runs["local_write_s"][-1]
-            for name in ("aifs", "floor_discard", "floor_store"):
+            for name in ("aifs", "aifs_plain", "floor_discard", "floor_store"):
                 record(f"{name}_x_local", local_s / runs[f"{name}_write_s"][-1])
 
             os.sync()
@@ -244,7 +254,7 @@ def main() -> int:
                 check_many(lake, f"many-{rep}/", args.files, file_size)
             shutil.rmtree(work / f"cache-{rep}")
             # Free the disk (or the Ceph store) for the next run.
-            for key in (big, f"copy-{rep}.bin", f"many-{rep}"):
+            for key in (big, f"plain-{big}", f"copy-{rep}.bin", f"many-{rep}"):
                 delete_prefix(lake, (lake.prefix if server else "") + key)
             if server:
                 delete_prefix(lake, f"boto3/big-{rep}.bin")
@@ -258,8 +268,9 @@ def main() -> int:
     finally:
         for mount in mounts:     # only after a failure: stop the daemon hard, no flush
             mount.kill()
-        if os.path.ismount(work / "mnt"):
-            subprocess.run(["fusermount3", "-u", "-z", str(work / "mnt")], check=False)
+        for point in ("mnt", "mnt-plain"):
+            if os.path.ismount(work / point):
+                subprocess.run(["fusermount3", "-u", "-z", str(work / point)], check=False)
         if failed and (work / "aifs.log").exists():
             print("--- tail of the mount log ---\n" + (work / "aifs.log").read_text(
                 errors="replace")[-4000:], file=sys.stderr)
@@ -293,7 +304,8 @@ def report(args: argparse.Namespace, r: dict[str, float]) -> None:
     print(f"| aifs, 1 MiB writes until close() | {r['aifs_write_s']:.2f} s | "
           f"{rate('aifs_write_s')} | {r['local_write_s'] / r['aifs_write_s']:.2f} x local "
           "(>= 0.8) |")
-    for key, what in (("floor_discard", "do-nothing pyfuse3, bytes discarded"),
+    for key, what in (("aifs_plain", "aifs, not streaming (--stream-large-files false)"),
+                      ("floor_discard", "do-nothing pyfuse3, bytes discarded"),
                       ("floor_store", "do-nothing pyfuse3, one pwrite per request into a file")):
         low, high = r[f"{key}_x_local_range"]
         print(f"| {what}, until close() | {r[f'{key}_write_s']:.2f} s | "
@@ -309,6 +321,10 @@ def report(args: argparse.Namespace, r: dict[str, float]) -> None:
     print(f"| aifs open() until in the lake (aifs sync) | {r['aifs_open_to_lake_s']:.2f} s | "
           f"{rate('aifs_open_to_lake_s')} | "
           f"{r['aifs_open_to_lake_s'] / r['baseline_upload_s']:.2f} x baseline time (<= 1.2) |")
+    for moment in ("close", "open"):
+        key = f"aifs_plain_{moment}_to_lake_s"
+        print(f"| aifs not streaming, {moment}() until in the lake | {r[key]:.2f} s | "
+              f"{rate(key)} | {r[key] / r['baseline_upload_s']:.2f} x baseline time |")
     if r.get("files"):
         n = r["files"]
         what = f"{n:.0f} files of {args.file_size}"
