@@ -151,7 +151,7 @@ class Checkpoints:
         rename would abandon the upload) nor a commit marker (it waits for
         what it commits)."""
         enabled = (self.config.stream_checkpoints if self.is_checkpoint(inode)
-                   else self.config.stream_large_files)
+                   else self.config.streams_large_files())
         if not enabled:
             return False
         path = path_of(inode)

@@ -83,3 +83,17 @@ def test_readme_rows_match_the_code_and_the_command_line():
             continue
         assert any(f"`{flag}" in text or f" {flag}" in text for flag in strings), \
             f"{strings} not in the README"
+
+
+def test_large_files_stream_to_s3_lakes_unless_told(tmp_path):
+    """``auto`` streams to S3 only: a local-directory lake shares the writer's disk."""
+    def streams(lake: str, **overrides) -> bool:
+        return load_config(None, {"lake": lake, **overrides}, environ={}).streams_large_files()
+    assert streams("s3://bucket/prefix")
+    assert not streams(f"file://{tmp_path}")
+    assert not streams(str(tmp_path))
+    assert streams(str(tmp_path), stream_large_files="true")
+    assert streams(str(tmp_path), stream_large_files="yes")
+    assert not streams("s3://bucket", stream_large_files="off")
+    with pytest.raises(ConfigError, match="stream_large_files"):
+        load_config(None, {"stream_large_files": "sometimes"}, environ={})

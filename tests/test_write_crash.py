@@ -247,7 +247,8 @@ def test_kill_while_a_large_file_is_streamed(lake, mounter, aifs_cli, tmp_path):
     lake holds some of its parts. The next mount aborts that upload and promotes
     what the local copy holds; the key never shows a partial object."""
     kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path,
-                          ("--part-size", "5M", "--multipart-threshold", "5M"), "written",
+                          ("--part-size", "5M", "--multipart-threshold", "5M",
+                           "--stream-large-files", "true"), "written",
                           # dir/multi.bin streamed too: once it is complete, the
                           # parts left are the open file's
                           lambda: (lake_size(lake, "dir/multi.bin") == 20 * MiB + 3
