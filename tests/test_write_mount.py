@@ -566,36 +566,37 @@ def test_large_file_rewritten_after_close_is_promoted_whole(lake, mounter, aifs_
     assert lake.get("after-close.bin") == after
     wait_for(lambda: not lake_uploads(lake), 20, "no upload left after sync")
 
-    # truncated while open, once parts are in the lake, then written on
-    truncated = bytearray(rng.randbytes(16 * MiB))
-    fd = os.open(m / "truncated.bin", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        write_front_to_back(fd, truncated, 0, 12 * MiB)
-        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+    def stream_then(name: str, size: int, change) -> bytes:
+        """Write the first 12 MiB of ``name`` front to back, wait for parts in
+        the lake, let ``change(fd, data)`` break the stream, close; the bytes
+        the file holds."""
+        data = bytearray(rng.randbytes(size))
+        fd = os.open(m / name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            write_front_to_back(fd, data, 0, 12 * MiB)
+            wait_for(lambda: lake_upload_parts(lake) > 0, 20, f"parts of {name} in the lake")
+            change(fd, data)
+        finally:
+            os.close(fd)
+        return bytes(data)
+
+    def truncate_and_write_on(fd: int, data: bytearray) -> None:
         os.ftruncate(fd, 7 * MiB)
-        del truncated[7 * MiB:]
+        del data[7 * MiB:]
         tail = rng.randbytes(3 * MiB)
         os.pwrite(fd, tail, 7 * MiB)
-        truncated += tail
-    finally:
-        os.close(fd)
-    expected["truncated.bin"] = bytes(truncated)
-    sync(aifs_cli, m)
-    wait_for(lambda: not lake_uploads(lake), 20, "no upload left after sync")
+        data += tail
 
-    # overwritten behind the upload while open
-    behind = bytearray(rng.randbytes(15 * MiB))
-    fd = os.open(m / "behind.bin", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        write_front_to_back(fd, behind, 0, 12 * MiB)
-        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+    def write_behind_the_upload(fd: int, data: bytearray) -> None:
         patch = rng.randbytes(2 * MiB)
         os.pwrite(fd, patch, MiB)
-        behind[MiB:3 * MiB] = patch
-        write_front_to_back(fd, behind, 12 * MiB, len(behind))
-    finally:
-        os.close(fd)
-    expected["behind.bin"] = bytes(behind)
+        data[MiB:3 * MiB] = patch
+        write_front_to_back(fd, data, 12 * MiB, len(data))
+
+    expected["truncated.bin"] = stream_then("truncated.bin", 16 * MiB, truncate_and_write_on)
+    sync(aifs_cli, m)
+    wait_for(lambda: not lake_uploads(lake), 20, "no upload left after sync")
+    expected["behind.bin"] = stream_then("behind.bin", 15 * MiB, write_behind_the_upload)
 
     sync(aifs_cli, m)
     for name, data in expected.items():
