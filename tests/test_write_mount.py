@@ -609,6 +609,32 @@ def test_large_file_rewritten_after_close_is_promoted_whole(lake, mounter, aifs_
     assert "streaming upload of behind.bin abandoned: not written front to back" in log
 
 
+@pytest.mark.parametrize("lake", ["local"], indirect=True)  # mount-side logic only
+def test_at_most_16_files_stream_at_once(lake, mounter, aifs_cli):
+    """17 large files written at the same time: 16 stream, the 17th is promoted
+    after close; all 17 reach the lake exact."""
+    from aifs.flush.stream import MAX_STREAMS
+    mount = mounter(lake, "--promote-delay", "0.2", *SMALL_PARTS)
+    m = mount.path
+    rng = random.Random(9)
+    files = {f"wide/f{i:02d}.dat": rng.randbytes(6 * MiB + i) for i in range(MAX_STREAMS + 1)}
+    os.makedirs(m / "wide")
+    fds = {name: os.open(m / name, os.O_WRONLY | os.O_CREAT, 0o644) for name in files}
+    try:
+        for name, data in files.items():
+            write_front_to_back(fds[name], data, 0, len(data))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    sync(aifs_cli, m)
+    for name, data in files.items():
+        assert lake.get(name) == data, name
+    assert lake_uploads(lake) == []
+    log = mount.log_text()
+    assert f"not streamed: {MAX_STREAMS} files stream already" in log
+    assert "wide/f16.dat not streamed" in log
+
+
 def test_rename_error_cases_and_directories(lake, mounter, aifs_cli):
     mount = mount_rw(lake, mounter)
     m = mount.path

@@ -4,7 +4,7 @@ after close instead of a whole upload after it. Checkpoints were the first
 case; any other file (a dataset shard, an export, a log) gains the same.
 
 A file is a candidate when it is written from empty (created, or opened with
-O_TRUNC) and the policy lets it stream (``CheckpointPolicy.streams``). Once its
+O_TRUNC) and the policy lets it stream (``Checkpoints.streams``). Once its
 contiguous written prefix reaches ``multipart_threshold`` a multipart upload
 starts; each part is read back from the local copy (page cache) when the
 writer has gone past its end. A write below what was already handed to an
