@@ -39,6 +39,7 @@ from aifs.errors import FsError, LakeError, ObjectNotFound
 from aifs.flush.compaction import Compactor, Upkeep
 from aifs.flush.packer import entry_fields
 from aifs.flush.promoter import Promoter
+from aifs.flush.stream import StreamTarget
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, st_mode
@@ -814,13 +815,21 @@ class Filesystem:
         return self.config.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
 
     def _maybe_stream(self, inode: Inode) -> None:
-        """A file opened empty for writing is uploaded as it is written, once
-        it is large enough (checkpoints and other files; see checkpoint.py)."""
-        if self.checkpoints.streams(inode):
-            metadata = object_metadata(inode, self.uid, self.gid)
-            metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
-            self.promoter.streams.candidate(inode.ino, inode.key,
-                                            str(self.local.path(inode.ino)), metadata)
+        """A file opened empty for writing may be uploaded as it is written.
+        Whether it is, and how, is settled by :meth:`_stream_target` once it is
+        large enough: most files never are, and a create stays cheap."""
+        self.promoter.streams.candidate(inode.ino, self._stream_target)
+
+    def _stream_target(self, ino: int) -> StreamTarget | None:
+        """Key, local copy and object metadata of a file that reached the
+        streaming threshold, or None if its policy keeps it from streaming
+        (see ``Checkpoints.streams``)."""
+        inode = self.meta.get(ino)
+        if inode is None or inode.orphan or not self.checkpoints.streams(inode):
+            return None
+        metadata = object_metadata(inode, self.uid, self.gid)
+        metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
+        return inode.key, str(self.local.path(ino)), metadata
 
     def _open_handle(self, inode: Inode, writable: bool) -> int:
         fh = next(self._handles)

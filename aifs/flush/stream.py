@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 MAX_STREAMS = 16
 
+#: where a stream's bytes go and come from: lake key, local copy, object metadata
+StreamTarget = tuple[str, str, dict[str, str]]
+
 
 class Stream:
     """The upload of one file that is still being written."""
@@ -98,7 +101,8 @@ class Streams:
         self.parts_in_flight = max(1, parts_in_flight)
         self.while_writing = max(1, min(while_writing, self.parts_in_flight))
         self._nursery: trio.Nursery | None = None
-        self._candidates: dict[int, tuple[str, str, dict[str, str], int]] = {}
+        # ino -> (what settles its target, contiguous bytes written so far)
+        self._candidates: dict[int, tuple[Callable[[int], StreamTarget | None], int]] = {}
         self._streams: dict[int, Stream] = {}
         self.started = 0
         self.completed = 0
@@ -108,10 +112,11 @@ class Streams:
         self._nursery = nursery
 
     # -- fed by the filesystem ------------------------------------------------
-    def candidate(self, ino: int, key: str, path: str, metadata: dict[str, str]) -> None:
-        """``ino`` was opened empty for writing under a streaming policy."""
+    def candidate(self, ino: int, target: Callable[[int], StreamTarget | None]) -> None:
+        """``ino`` was opened empty for writing; ``target(ino)``, asked once it
+        reaches the threshold, says where it streams (None: it does not)."""
         if self._nursery is not None and ino not in self._streams:
-            self._candidates[ino] = (key, path, metadata, 0)
+            self._candidates[ino] = (target, 0)
 
     def wrote(self, ino: int, offset: int, length: int) -> None:
         stream = self._streams.get(ino)
@@ -121,15 +126,19 @@ class Streams:
         candidate = self._candidates.get(ino)
         if candidate is None:
             return
-        key, path, metadata, end = candidate
+        target, end = candidate
         if offset > end:
             del self._candidates[ino]  # a hole: not a front-to-back writer
             return
         end = max(end, offset + length)
         if end < self.threshold:
-            self._candidates[ino] = (key, path, metadata, end)
+            self._candidates[ino] = (target, end)
             return
         del self._candidates[ino]
+        where = target(ino)
+        if where is None:
+            return
+        key, path, metadata = where
         if len(self._streams) >= MAX_STREAMS:
             log.debug("%s not streamed: %d files stream already", key, len(self._streams))
             return
