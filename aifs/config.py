@@ -20,6 +20,8 @@ from aifs.errors import ConfigError
 from aifs.policy import DEFAULT_MARKERS, DEFAULT_STAGING, Policies
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
 
 
 def parse_size(value: str | int) -> int:
@@ -208,9 +210,10 @@ class Config:
         if self.fsync not in ("local", "lake"):
             raise ConfigError(f"fsync must be 'local' or 'lake', not {self.fsync!r}")
         choice = str(self.stream_large_files).strip().lower()
-        self.stream_large_files = {"1": "true", "yes": "true", "on": "true", "0": "false",
-                                   "no": "false", "off": "false"}.get(choice, choice)
-        if self.stream_large_files not in ("auto", "true", "false"):
+        if choice in _BOOL_WORDS:
+            choice = str(_BOOL_WORDS[choice]).lower()
+        self.stream_large_files = choice
+        if choice not in ("auto", "true", "false"):
             raise ConfigError("stream_large_files must be 'auto', 'true' or 'false', not "
                               f"{choice!r}")
         if self.staging_hold < 0 or self.checkpoint_keep < 0:
@@ -249,16 +252,11 @@ def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
         if kind == "bool":
             if isinstance(value, bool):
                 return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
+            return _BOOL_WORDS[str(value).strip().lower()]
         if kind == "list":
             return [str(v) for v in value] if isinstance(value, list) else str(value).split(",")
         return str(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"{source}: bad value {value!r} for {f.name}") from exc
 
 

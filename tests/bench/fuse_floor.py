@@ -35,10 +35,10 @@ class FloorFS(pyfuse3.Operations):
 
     def __init__(self, discard: bool = False, store: str | None = None) -> None:
         super().__init__()
-        self.discard = discard or store is not None
+        self.in_memory = not discard and store is None  # else only sizes are kept here
         self.store = store
         self.fds: dict[int, int] = {}  # with store: each file's local file, open for good
-        self.sizes: dict[int, int] = {}  # with discard or store: the size each file reached
+        self.sizes: dict[int, int] = {}  # unless in memory: the size each file reached
         self.children: dict[tuple[int, bytes], int] = {}
         self.modes: dict[int, int] = {pyfuse3.ROOT_INODE: stat.S_IFDIR | 0o755}
         self.data: dict[int, bytearray] = {}
@@ -49,7 +49,7 @@ class FloorFS(pyfuse3.Operations):
         entry.st_ino = ino
         entry.st_mode = self.modes[ino]
         entry.st_nlink = 1
-        entry.st_size = self.sizes.get(ino, 0) if self.discard else len(self.data.get(ino, b""))
+        entry.st_size = len(self.data.get(ino, b"")) if self.in_memory else self.sizes.get(ino, 0)
         entry.st_blksize = 1 << 20
         entry.entry_timeout = entry.attr_timeout = TIMEOUT
         return entry
@@ -102,7 +102,7 @@ class FloorFS(pyfuse3.Operations):
             written = os.pwrite(self._local(fh), buf, off)
             self.sizes[fh] = max(self.sizes.get(fh, 0), off + written)
             return written
-        if self.discard:
+        if not self.in_memory:  # discarded
             self.sizes[fh] = max(self.sizes.get(fh, 0), off + len(buf))
             return len(buf)
         data = self.data[fh]
@@ -112,7 +112,7 @@ class FloorFS(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         if self.store is not None:
             return os.pread(self._local(fh), size, off)
-        if self.discard:
+        if not self.in_memory:  # discarded
             return bytes(max(0, min(size, self.sizes.get(fh, 0) - off)))
         return memoryview(self.data[fh])[off:off + size]
 

@@ -271,9 +271,10 @@ def main() -> int:
         for point in ("mnt", "mnt-plain"):
             if os.path.ismount(work / point):
                 subprocess.run(["fusermount3", "-u", "-z", str(work / point)], check=False)
-        if failed and (work / "aifs.log").exists():
-            print("--- tail of the mount log ---\n" + (work / "aifs.log").read_text(
-                errors="replace")[-4000:], file=sys.stderr)
+        for log_name in ("aifs.log", "aifs-plain.log"):
+            if failed and (work / log_name).exists():
+                print(f"--- tail of {log_name} ---\n" + (work / log_name).read_text(
+                    errors="replace")[-4000:], file=sys.stderr)
         for stop in stops:
             stop()
         shutil.rmtree(work, ignore_errors=True)
