@@ -42,10 +42,12 @@ from aifs.flush.promoter import Promoter
 from aifs.flush.stream import StreamTarget
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
-from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, st_mode
+from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, kind_of, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.packindex import deletion, pack_key
 from aifs.meta.store import (
+    BLK,
+    CHR,
     DATA,
     DIR,
     FILE,
@@ -53,6 +55,7 @@ from aifs.meta.store import (
     MAYBE_IN_LAKE,
     META,
     ROOT_INO,
+    SPECIAL,
     Inode,
     Listed,
     MetaStore,
@@ -107,6 +110,8 @@ class Attributes:
     size: int
     mtime_ns: int
     ctime_ns: int
+    atime_ns: int
+    rdev: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class SetAttributes:
     gid: int | None = None
     size: int | None = None
     mtime_ns: int | None = None
+    atime_ns: int | None = None
 
 
 def _name(name: bytes) -> str:
@@ -147,6 +153,7 @@ class Filesystem:
         self._pack_opens: dict[str, tuple[int, float]] = {}  # pack -> (opens, first)
         self._action_results: dict[tuple[int, bytes], tuple[float, bytes]] = {}
         self._dir_times: dict[int, tuple[int, float]] = {}  # ino -> (mtime_ns, ctime)
+        self._subdir_counts: dict[int, int] = {}  # ino -> subdirectories (st_nlink - 2)
         self.checkpoints = Checkpoints(config, meta, local,
                                        is_writing=lambda ino: bool(self._writers.get(ino)),
                                        hurry=lambda ino: self.promoter.promote_soon(ino),
@@ -213,11 +220,26 @@ class Filesystem:
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
-        return Attributes(inode.ino, st_mode(inode), 2 if inode.is_dir else 1,
+        if inode.is_dir:
+            nlink = 2 + self._subdirs(inode.ino)
+        else:
+            nlink = 0 if inode.orphan else 1
+        return Attributes(inode.ino, st_mode(inode), nlink,
                           self.uid if inode.uid < 0 else inode.uid,
                           self.gid if inode.gid < 0 else inode.gid,
                           inode.size, inode.mtime_ns,
-                          int(inode.ctime * 1e9) or inode.mtime_ns)
+                          int(inode.ctime * 1e9) or inode.mtime_ns,
+                          inode.atime_ns or inode.mtime_ns, inode.rdev)
+
+    def _subdirs(self, ino: int) -> int:
+        """How many subdirectories ``ino`` has (its st_nlink is 2 more, as on
+        ext4 and tmpfs); counted once per change of the directory."""
+        count = self._subdir_counts.get(ino)
+        if count is None:
+            count = self._subdir_counts[ino] = self.meta.subdir_count(ino)
+            if len(self._subdir_counts) > 65536:
+                self._subdir_counts.pop(next(iter(self._subdir_counts)))
+        return count
 
     def _inode(self, ino: int) -> Inode:
         inode = self.meta.get(ino)
@@ -325,6 +347,7 @@ class Filesystem:
                     self._stale_local.add(ino)
                 else:
                     self.local.remove(ino)
+        self._subdir_counts.pop(directory.ino, None)
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     async def _add_packed(self, directory: Inode, entries: dict[str, Listed],
@@ -447,12 +470,16 @@ class Filesystem:
             updates["uid"] = changes.uid
         if changes.gid is not None:
             updates["gid"] = changes.gid
+        if changes.atime_ns is not None:
+            updates["atime_ns"] = changes.atime_ns
         if changes.mtime_ns is not None:
             updates["mtime_ns"] = changes.mtime_ns
             self._dir_times.pop(ino, None)  # an explicit time beats a batched one
             if ino in self._written:
+                # The written size stays; it is saved with the new time below
+                # (cp -p and tar x set times through the fd of a file they wrote).
                 self._written[ino] = (self._written[ino][0], changes.mtime_ns)
-                self._unsaved.discard(ino)  # saved with the other changes below
+                self._unsaved.add(ino)
         if updates:
             self._save_written(ino)
             current = self._inode(ino)
@@ -471,12 +498,22 @@ class Filesystem:
         return fh
 
     def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
-        """The next batch of (cookie, name, inode) after ``after_cookie``."""
+        """The next batch of (cookie, name, inode) after ``after_cookie``:
+        ``.`` and ``..`` first (cookies 1 and 2), then the entries, whose
+        stored cookies are shifted by 2."""
         ino = self.dirs.get(fh)
         if ino is None:
             raise FsError(errno.EBADF)
-        return [(cookie, name, self._with_written(inode))
-                for cookie, name, inode in self.meta.readdir(ino, after_cookie, READDIR_BATCH)]
+        out: list[tuple[int, bytes, Inode]] = []
+        if after_cookie < 2:
+            directory = self._inode(ino)
+            if after_cookie < 1:
+                out.append((1, b".", directory))
+            parent = directory if ino == ROOT_INO else self.meta.get(directory.parent)
+            out.append((2, b"..", self._with_written(parent or directory)))
+        out += [(cookie + 2, name, self._with_written(inode)) for cookie, name, inode
+                in self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)]
+        return out
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -514,6 +551,7 @@ class Filesystem:
         """A directory's entries changed: its mtime moves (kept locally only, and
         stored in batches: a create costs no extra metadata transaction)."""
         self._dir_times[ino] = (time.time_ns(), self.clock())
+        self._subdir_counts.pop(ino, None)
 
     def save_dir_times(self) -> None:
         """Store the directory times changed since the last call."""
@@ -541,10 +579,20 @@ class Filesystem:
         self._maybe_stream(inode)
         return fh, inode
 
-    async def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
-        if not stat.S_ISREG(mode):
-            raise FsError(errno.EPERM)  # devices, FIFOs and sockets have no lake form
-        inode = await self._new_file(parent, name, mode, uid, gid)
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
+                    gid: int) -> Inode:
+        """A regular file, or a FIFO, socket or device: an inode with no
+        content, kept in the lake as an empty object whose mode says its type
+        (s3fs's form). Their I/O never reaches aifs: the kernel serves it."""
+        kind = kind_of(mode) or FILE
+        if kind == FILE:
+            inode = await self._new_file(parent, name, mode, uid, gid)
+        elif kind in SPECIAL:
+            directory = await self._new_entry(parent, name)
+            inode = self._add(directory, name, kind, mode, uid, gid, DATA,
+                              rdev=rdev if kind in (CHR, BLK) else 0)
+        else:
+            raise FsError(errno.EINVAL)
         self._schedule(inode.ino)
         return inode
 
@@ -602,9 +650,16 @@ class Filesystem:
             self.packer.queue_records([deletion(removed.key)])
         if removed is not None:
             self.promoter.streams.cancel(removed.ino, "deleted")
-            self._forget_written(removed.ino)
-            self._free_if_unused(removed.ino)
+            self._unlinked(removed.ino)
         self.promoter.tombstones_changed()
+
+    def _unlinked(self, ino: int) -> None:
+        """``ino`` lost its last name. While a descriptor holds it, its data
+        stays readable and writable (the size written so far included), as
+        POSIX wants; it goes with the last close or forget."""
+        if not self.is_open(ino):
+            self._forget_written(ino)
+        self._free_if_unused(ino)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> NoReturn:
         raise FsError(errno.EPERM)  # hard links: an object has one key
@@ -661,8 +716,7 @@ class Filesystem:
             self.promoter.streams.cancel(moved.ino, "renamed")
         if replaced is not None:
             self.promoter.streams.cancel(replaced.ino, "replaced")
-            self._forget_written(replaced.ino)
-            self._free_if_unused(replaced.ino)
+            self._unlinked(replaced.ino)
         if moved.pending:
             self._schedule(moved.ino, sooner=True)
         self.promoter.tombstones_changed()

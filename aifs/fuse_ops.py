@@ -67,11 +67,12 @@ class Operations(pyfuse3.Operations):
         entry.st_nlink = a.nlink
         entry.st_uid = a.uid
         entry.st_gid = a.gid
-        entry.st_rdev = 0
+        entry.st_rdev = a.rdev
         entry.st_size = a.size
         entry.st_blksize = self.blksize
         entry.st_blocks = (a.size + 511) // 512
-        entry.st_atime_ns = entry.st_mtime_ns = a.mtime_ns
+        entry.st_mtime_ns = a.mtime_ns
+        entry.st_atime_ns = a.atime_ns
         entry.st_ctime_ns = a.ctime_ns
         if not inode.attrs_known:
             # Ask again: a lookup reads the object's own attributes (and type) first.
@@ -113,7 +114,8 @@ class Operations(pyfuse3.Operations):
             for cookie, name, inode in batch:
                 if not pyfuse3.readdir_reply(token, name, self._entry(inode), cookie):
                     return
-                self.fs.remember(inode.ino)
+                if name not in (b".", b".."):  # the kernel takes no reference to these
+                    self.fs.remember(inode.ino)
                 start_id = cookie
 
     @_replies
@@ -129,13 +131,15 @@ class Operations(pyfuse3.Operations):
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             size=attr.st_size if fields.update_size else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None)
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None)
         return self._entry(await self.fs.setattr(inode, changes, fh))
 
     @_replies
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(await self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid,
+                                               ctx.gid))
 
     @_replies
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,

@@ -614,3 +614,53 @@ def file_digest(path: Path) -> str:
         while chunk := fp.read(4 << 20):
             hasher.update(chunk)
     return hasher.hexdigest()
+
+
+# -- the conformance suite (tests/conformance): one aifs mount per lake kind and
+# module (mounting costs seconds; each test works in a directory of its own), and a
+# tmpfs as the reference (Linux, not our opinion).
+
+
+@pytest.fixture(scope="session")
+def tmpfs(tmp_path_factory) -> Iterator[Path]:
+    """A tmpfs, the reference every case is also run on."""
+    path = tmp_path_factory.mktemp("tmpfs")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)],
+                   check=True)
+    os.chmod(path, 0o777)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class Side:
+    """Where a case runs: ``path`` is a fresh directory on one filesystem."""
+
+    def __init__(self, name: str, path: Path, mount: Mount | None = None) -> None:
+        self.name = name
+        self.path = path
+        self.mount = mount
+
+
+@pytest.fixture(scope="module", params=LAKE_KINDS)
+def conf_mount(request, tmp_path_factory) -> Iterator[Mount]:
+    """aifs on one lake kind, with allow_other (permission cases switch users)."""
+    base = tmp_path_factory.mktemp(f"conf-{request.param}")
+    lake = _make_lake(request.param, request, base)
+    mount = Mount(lake, base / "mnt", base / "cache", base / "aifs.log",
+                  ["--allow-other"])
+    os.chmod(mount.path, 0o777)
+    yield mount
+    if mount.proc.poll() is None or os.path.ismount(mount.path):
+        mount.unmount()
+
+
+@pytest.fixture
+def sides(conf_mount, tmpfs) -> tuple[Side, Side]:
+    """(aifs, tmpfs): an empty directory of this test's own on each."""
+    name = uuid.uuid4().hex[:8]
+    fuse_dir, ref_dir = conf_mount.path / name, tmpfs / name
+    fuse_dir.mkdir()
+    ref_dir.mkdir()
+    os.chmod(fuse_dir, 0o777)
+    os.chmod(ref_dir, 0o777)
+    return Side("aifs", fuse_dir, conf_mount), Side("tmpfs", ref_dir)

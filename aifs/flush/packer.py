@@ -29,6 +29,7 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import ObjectNotFound, lake_error_in
 from aifs.lake.base import ObjectStore
+from aifs.meta.objattrs import st_mode
 from aifs.meta.packindex import (
     FOLD_SUFFIX,
     FORMAT_VERSION,
@@ -423,7 +424,7 @@ class Packer:
                 continue
             entries.append(PackedEntry(
                 inode.key, pack, len(data), len(content), checksum(content), stamp,
-                inode.mode, self.uid if inode.uid < 0 else inode.uid,
+                st_mode(inode), self.uid if inode.uid < 0 else inode.uid,
                 self.gid if inode.gid < 0 else inode.gid,
                 inode.mtime_ns, inode.xattrs or None))
             data += content
@@ -441,6 +442,6 @@ def entry_fields(entry: PackedEntry) -> dict[str, object]:
     fields: dict[str, object] = {"pack": entry.pack, "pack_offset": entry.offset,
                                  "checksum": entry.xxh3, "mtime_ns": entry.mtime_ns}
     if not entry.origin:  # aifs pack copies: attributes from the original's metadata
-        fields.update(mode=entry.mode, uid=entry.uid, gid=entry.gid,
+        fields.update(mode=entry.permissions(), uid=entry.uid, gid=entry.gid,
                       xattrs=dict(entry.xattrs or {}), attrs_known=True)
     return fields

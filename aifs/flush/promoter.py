@@ -31,7 +31,7 @@ from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.objattrs import to_metadata
 from aifs.meta.packindex import PackedEntry, deletion
-from aifs.meta.store import DATA, LINK, MAYBE_IN_LAKE, META, Inode, MetaStore
+from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class Promoter:
             return False
         version = self.host.change_count(ino)
         key = inode.key
-        if inode.pending & DATA and inode.kind != LINK and not self.files.has(ino):
+        if inode.pending & DATA and inode.kind == FILE and not self.files.has(ino):
             log.error("%s: local copy of inode %d is missing; it cannot be promoted",
                       inode.key, ino)
             self.meta.update(ino, pending=inode.pending & ~DATA)
@@ -379,6 +379,8 @@ class Promoter:
         if inode.kind == LINK:
             data = inode.target.encode("utf-8", "surrogateescape")
             return await self._put(inode.key, data, metadata)
+        if inode.kind in SPECIAL:  # s3fs's form: no content, the type in the mode
+            return await self._put(inode.key, b"", metadata)
         path = self.files.path(inode.ino)
         size = await trio.to_thread.run_sync(os.path.getsize, path)
         if self.streams.active(inode.ino):
@@ -457,7 +459,8 @@ class Promoter:
             entry = self.packer.index.entry(inode.key)
             if entry is not None and not entry.origin:  # a new record, the same bytes
                 changed = dataclasses.replace(
-                    entry, stamp=time.time_ns(), mode=inode.mode, uid=int(metadata["uid"]),
+                    entry, stamp=time.time_ns(), mode=int(metadata["mode"]),
+                    uid=int(metadata["uid"]),
                     gid=int(metadata["gid"]), mtime_ns=inode.mtime_ns,
                     xattrs=inode.xattrs or None)
                 self.packer.queue_records([changed.record()])

@@ -2,8 +2,11 @@
 
 ``mode`` (decimal st_mode including the file-type bits), ``uid``, ``gid``,
 ``mtime`` (seconds, with ``.NNNNNNNNN`` nanoseconds when not whole) and
-``xattr`` (URL-encoded JSON of name -> base64 value). A bucket written by s3fs
-keeps its modes through aifs and the other way round. A symlink is an object
+``xattr`` (URL-encoded JSON of name -> base64 value), ``atime`` (as ``mtime``,
+only once set) and ``rdev`` (decimal, of devices). A FIFO, socket or device
+is an empty object whose ``mode`` carries its type bits, as s3fs writes them.
+A bucket written by s3fs keeps its modes through aifs and the other way round.
+A symlink is an object
 whose content is the target and whose ``mode`` has S_IFLNK.
 """
 
@@ -14,7 +17,7 @@ import logging
 import stat
 import urllib.parse
 
-from aifs.meta.store import DIR, FILE, LINK, Inode
+from aifs.meta.store import BLK, CHR, DIR, FIFO, FILE, LINK, SOCK, SPECIAL, Inode
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +25,21 @@ log = logging.getLogger(__name__)
 MAX_XATTR_BYTES = 1536
 
 
+_TYPE_BITS = {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK, FIFO: stat.S_IFIFO, CHR: stat.S_IFCHR,
+              BLK: stat.S_IFBLK, SOCK: stat.S_IFSOCK}
+_KINDS = {bits: kind for kind, bits in _TYPE_BITS.items() if kind != DIR}
+
+
 def type_bits(kind: str) -> int:
-    return {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK}.get(kind, stat.S_IFREG)
+    return _TYPE_BITS.get(kind, stat.S_IFREG)
+
+
+def kind_of(mode: int) -> str | None:
+    """The kind a full st_mode names (None: no type bits); never DIR (a
+    directory is a prefix, not decided by an object's metadata)."""
+    if not stat.S_IFMT(mode):
+        return None
+    return _KINDS.get(stat.S_IFMT(mode), FILE)
 
 
 def default_mode(kind: str) -> int:
@@ -32,7 +48,17 @@ def default_mode(kind: str) -> int:
 
 def st_mode(inode: Inode) -> int:
     """The full st_mode (type bits and permissions) of ``inode``."""
-    return type_bits(inode.kind) | (inode.mode or default_mode(inode.kind))
+    return type_bits(inode.kind) | (inode.mode if inode.mode >= 0 else default_mode(inode.kind))
+
+
+def _time(value: str) -> int:
+    seconds, _, frac = value.partition(".")
+    return int(seconds) * 1_000_000_000 + int((frac + "000000000")[:9])
+
+
+def _time_text(ns: int) -> str:
+    seconds, nanos = divmod(ns, 1_000_000_000)
+    return f"{seconds}.{nanos:09d}" if nanos else str(seconds)
 
 
 def encode_xattrs(xattrs: dict[str, str]) -> str:
@@ -42,13 +68,16 @@ def encode_xattrs(xattrs: dict[str, str]) -> str:
 
 def to_metadata(inode: Inode, uid: int, gid: int) -> dict[str, str]:
     """The user metadata stored with ``inode``'s object."""
-    seconds, nanos = divmod(inode.mtime_ns, 1_000_000_000)
     meta = {
         "mode": str(st_mode(inode)),
         "uid": str(uid if inode.uid < 0 else inode.uid),
         "gid": str(gid if inode.gid < 0 else inode.gid),
-        "mtime": f"{seconds}.{nanos:09d}" if nanos else str(seconds),
+        "mtime": _time_text(inode.mtime_ns),
     }
+    if inode.atime_ns:
+        meta["atime"] = _time_text(inode.atime_ns)
+    if inode.kind in (CHR, BLK):
+        meta["rdev"] = str(inode.rdev)
     if inode.xattrs:
         meta["xattr"] = encode_xattrs(inode.xattrs)
     return meta
@@ -60,15 +89,19 @@ def apply_metadata(inode: Inode, meta: dict[str, str]) -> None:
         if "mode" in meta:
             mode = int(meta["mode"])
             inode.mode = stat.S_IMODE(mode)
-            if not inode.is_dir:
-                inode.kind = LINK if stat.S_ISLNK(mode) else FILE
+            kind = kind_of(mode)
+            if not inode.is_dir and kind is not None:
+                inode.kind = kind
         if "uid" in meta:
             inode.uid = int(meta["uid"])
         if "gid" in meta:
             inode.gid = int(meta["gid"])
         if "mtime" in meta:
-            seconds, _, frac = meta["mtime"].partition(".")
-            inode.mtime_ns = int(seconds) * 1_000_000_000 + int((frac + "000000000")[:9])
+            inode.mtime_ns = _time(meta["mtime"])
+        if "atime" in meta:
+            inode.atime_ns = _time(meta["atime"])
+        if "rdev" in meta and inode.kind in SPECIAL:
+            inode.rdev = int(meta["rdev"])
     except ValueError:
         log.warning("%s: unreadable POSIX metadata %r; using defaults", inode.key, meta)
     if "xattr" in meta:

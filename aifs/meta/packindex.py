@@ -40,7 +40,7 @@ from typing import Any
 import lmdb
 import xxhash
 
-from aifs.meta.store import MetaStore, compact_json, key_bytes, u64
+from aifs.meta.store import MetaStore, compact_json, is_hashed, key_bytes, scan_prefix, u64
 
 PACK_DIR = ".aifs/packs/"
 JOURNAL_DIR = ".aifs/journal/"
@@ -94,6 +94,14 @@ class PackedEntry:
         if self.origin:
             out["origin"] = self.origin
         return out
+
+    def permissions(self) -> int:
+        """Permission bits of ``mode`` (-1: the default). Records hold the
+        full st_mode with its type bits; older ones the bits alone, 0 for
+        the default."""
+        if self.mode & 0o170000:
+            return self.mode & 0o7777
+        return self.mode or -1
 
     @property
     def etag(self) -> str:
@@ -222,7 +230,8 @@ class PackIndex:
     def children(self, prefix: str) -> Iterator[tuple[str, PackedEntry | None]]:
         """Packed children of the directory ``prefix``: (name, entry) for a
         file, (name, None) for a directory that holds packed files."""
-        raw_prefix = key_bytes(prefix)
+        raw_prefix = scan_prefix(prefix)
+        whole = key_bytes(prefix) == raw_prefix
         out: list[tuple[str, PackedEntry | None]] = []
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.entries)
@@ -231,6 +240,10 @@ class PackIndex:
                 key, value = cursor.item()
                 if not key.startswith(raw_prefix):
                     break
+                if not whole or is_hashed(bytes(key)):  # a long key: its record says it all
+                    self._long_child(prefix, json.loads(value), out)
+                    found = cursor.next()
+                    continue
                 rest = bytes(key[len(raw_prefix):])
                 slash = rest.find(b"/")
                 if slash >= 0:  # below a subdirectory: one entry, then skip past it
@@ -246,6 +259,18 @@ class PackIndex:
                 found = cursor.next()
         yield from out
 
+    @staticmethod
+    def _long_child(prefix: str, record: Record,
+                    out: list[tuple[str, PackedEntry | None]]) -> None:
+        if not record["key"].startswith(prefix) or record["op"] != "put":
+            return
+        name, slash, _ = record["key"][len(prefix):].partition("/")
+        if slash:
+            if (name, None) not in out:
+                out.append((name, None))
+        else:
+            out.append((name, PackedEntry.from_record(record)))
+
     def _any_live(self, txn: lmdb.Transaction, prefix: bytes) -> bool:
         cursor = txn.cursor(db=self.entries)
         found = cursor.set_range(prefix)
@@ -257,14 +282,14 @@ class PackIndex:
 
     def under(self, prefix: str) -> list[PackedEntry]:
         """Every live packed file below ``prefix``."""
-        raw_prefix = key_bytes(prefix)
+        raw_prefix = scan_prefix(prefix)
         out = []
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.entries)
             found = cursor.set_range(raw_prefix)
             while found and cursor.key().startswith(raw_prefix):
                 record = json.loads(cursor.value())
-                if record["op"] == "put":
+                if record["op"] == "put" and record["key"].startswith(prefix):
                     out.append(PackedEntry.from_record(record))
                 found = cursor.next()
         return out

@@ -46,7 +46,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import shutil
 import struct
 import time
 import uuid
@@ -55,6 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
+import xxhash
+
+from aifs.errors import AifsError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,15 @@ ROOT_INO = 1
 FILE = "file"
 DIR = "dir"
 LINK = "symlink"
-SCHEMA_VERSION = b"2"
+FIFO = "fifo"
+CHR = "chr"
+BLK = "blk"
+SOCK = "sock"
+#: kinds without content: their object (s3fs's form) is empty, the type is in ``mode``
+SPECIAL = (FIFO, CHR, BLK, SOCK)
+SCHEMA_VERSION = b"3"
+#: what each older schema needs to become the current one (see ``_migrate``)
+MIGRATIONS = {b"2": "mode 0 meant 'the default for the kind': that is -1 now"}
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 
@@ -86,11 +96,55 @@ def valid_name(name: str) -> bool:
     return bool(raw) and name not in (".", "..") and len(raw) <= 255 and "\0" not in name
 
 
+#: LMDB keys hold at most 511 bytes; a lake key may be PATH_MAX long. Longer
+#: keys are stored as their first KEY_KEPT bytes, a NUL (never in a valid key)
+#: and their xxh3-128; where keys are listed, the value carries the whole key.
+KEY_KEPT = 400
+KEY_RAW_MAX = 480
+
+
 def key_bytes(key: str) -> bytes:
-    return key.encode("utf-8", "surrogateescape")
+    raw = key.encode("utf-8", "surrogateescape")
+    if len(raw) <= KEY_RAW_MAX:
+        return raw
+    return raw[:KEY_KEPT] + b"\0" + xxhash.xxh3_128_digest(raw)
+
+
+def is_hashed(raw_key: bytes) -> bool:
+    return len(raw_key) > KEY_KEPT and raw_key[KEY_KEPT:KEY_KEPT + 1] == b"\0"
+
+
+def scan_prefix(prefix: str) -> bytes:
+    """The bytes a range scan for keys starting with ``prefix`` starts from
+    (and each found key starts with); long prefixes need a check of the
+    whole key after."""
+    return prefix.encode("utf-8", "surrogateescape")[:KEY_KEPT]
 
 
 DECODED_KEPT = 16384
+
+
+class SchemaError(AifsError):
+    """The store was written by an aifs whose schema this one cannot migrate."""
+
+
+def _migrate(env: lmdb.Environment, version: bytes) -> None:
+    """Bring a store of an older schema up to date in one transaction: every
+    record is kept (dirty data above all), only its form changes."""
+    log.info("metadata schema %s -> %s: %s", version.decode(), SCHEMA_VERSION.decode(),
+             MIGRATIONS[version])
+    inodes = env.open_db(b"inode")
+    sys_db = env.open_db(b"sys")
+    with env.begin(write=True) as txn:
+        updates = []
+        for key, raw in txn.cursor(db=inodes):
+            record = json.loads(bytes(raw))
+            if record.get("mode", 0) == 0:
+                record["mode"] = -1
+                updates.append((bytes(key), compact_json(record).encode()))
+        for key, raw in updates:
+            txn.put(key, raw, db=inodes)
+        txn.put(b"schema", SCHEMA_VERSION, db=sys_db)
 
 
 @dataclass
@@ -102,7 +156,9 @@ class Inode:
     size: int = 0
     etag: str = ""  # the lake version this inode's content came from ("" none)
     mtime_ns: int = 0
-    mode: int = 0  # permission bits; 0 means the default for the kind
+    atime_ns: int = 0  # 0: as mtime (never set explicitly)
+    rdev: int = 0  # device number of a character or block device
+    mode: int = -1  # permission bits (with set-ID and sticky); -1: the default for the kind
     uid: int = -1  # -1: the mounting user
     gid: int = -1
     listed_at: float = 0.0
@@ -159,6 +215,12 @@ class Inode:
 _DECODED: dict[bytes, Inode] = {}
 
 
+def _tomb_key(raw_key: bytes, value: bytes) -> str:
+    """The lake key of a tombstone record (whole, also where stored hashed)."""
+    raw = bytes(value[16:]) if is_hashed(bytes(raw_key)) else bytes(raw_key)
+    return raw.decode("utf-8", "surrogateescape")
+
+
 @dataclass(frozen=True)
 class Listed:
     """One child of a directory as a LIST reported it."""
@@ -178,12 +240,6 @@ class MetaStore:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.env = self._open(path, map_size)
-        if self.env is None:  # an older schema: it is only an index, rebuild it
-            log.warning("metadata in %s has an older schema: rebuilding from the lake", path)
-            shutil.rmtree(path)
-            path.mkdir(parents=True)
-            self.env = self._open(path, map_size)
-        assert self.env is not None
         self.inodes = self.env.open_db(b"inode")
         self.dentries = self.env.open_db(b"dentry")
         self.cookies = self.env.open_db(b"cookie")
@@ -200,15 +256,22 @@ class MetaStore:
                 txn.put(u64(ROOT_INO), root.encode(), db=self.inodes)
 
     @staticmethod
-    def _open(path: Path, map_size: int) -> lmdb.Environment | None:
+    def _open(path: Path, map_size: int) -> lmdb.Environment:
         env = lmdb.open(str(path), map_size=map_size, max_dbs=20, subdir=True,
                         readahead=False, sync=False, metasync=False)
         sys_db = env.open_db(b"sys")
         with env.begin(db=sys_db) as txn:
             version = txn.get(b"schema")
+        if version is not None:
+            version = bytes(version)
         if version not in (None, SCHEMA_VERSION):
-            env.close()
-            return None
+            if version not in MIGRATIONS:
+                env.close()
+                raise SchemaError(
+                    f"metadata in {path} has schema {version.decode(errors='replace')}, "
+                    f"which this aifs cannot read (it reads {SCHEMA_VERSION.decode()}); "
+                    "nothing was changed: mount it with the aifs that wrote it")
+            _migrate(env, version)
         return env
 
     def node_id(self) -> str:
@@ -284,6 +347,17 @@ class MetaStore:
             if inode is not None and not inode.is_dir:
                 yield inode
 
+    def subdir_count(self, parent: int) -> int:
+        """How many children of ``parent`` are directories."""
+        dir_kind = b'"kind":"dir"'
+        with self.env.begin() as txn:
+            count = 0
+            for _, value in self._children(parent, txn):
+                raw = txn.get(value[:8], db=self.inodes)
+                if raw is not None and dir_kind in raw:
+                    count += 1
+        return count
+
     def children_count(self, parent: int) -> int:
         return sum(1 for _ in self._children(parent))
 
@@ -316,8 +390,7 @@ class MetaStore:
 
     def tombstones(self) -> dict[str, int]:
         with self.env.begin() as txn:
-            return {bytes(k).decode("utf-8", "surrogateescape"): _U64.unpack(v[:8])[0]
-                    for k, v in txn.cursor(db=self.tombs)}
+            return {_tomb_key(k, v): _U64.unpack(v[:8])[0] for k, v in txn.cursor(db=self.tombs)}
 
     def tombstone_marks(self, keys: Iterable[str]) -> dict[str, bytes]:
         """The stored values of some tombstones, to drop them later only if no
@@ -339,7 +412,7 @@ class MetaStore:
             return txn.get(key_bytes(key), db=self.tombs) is not None
 
     def tombstones_under(self, prefix: str) -> dict[str, int]:
-        raw = key_bytes(prefix)
+        raw = scan_prefix(prefix)
         out = {}
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.tombs)
@@ -347,8 +420,9 @@ class MetaStore:
                 for key, value in cursor:
                     if not key.startswith(raw):
                         break
-                    out[bytes(key).decode("utf-8", "surrogateescape")] = \
-                        _U64.unpack(value[:8])[0]
+                    full = _tomb_key(key, value)
+                    if full.startswith(prefix):
+                        out[full] = _U64.unpack(value[:8])[0]
         return out
 
     def uploads_in_progress(self) -> list[tuple[int, str, str, float]]:
@@ -429,9 +503,14 @@ class MetaStore:
             if not cursor.delete():
                 break
 
-    def _tomb(self, txn: lmdb.Transaction, ino: int) -> bytes:
-        """A tombstone's value: the inode, and a number that changes each time."""
-        return u64(ino) + u64(self._counter(txn, b"next_tomb", 1))
+    def _tomb(self, txn: lmdb.Transaction, key: str, ino: int) -> None:
+        """Tombstone ``key``: the value is the inode, a number that changes
+        each time and, for a long key stored hashed, the whole key."""
+        raw = key_bytes(key)
+        value = u64(ino) + u64(self._counter(txn, b"next_tomb", 1))
+        if is_hashed(raw):
+            value += key.encode("utf-8", "surrogateescape")
+        txn.put(raw, value, db=self.tombs)
 
     def put(self, inode: Inode) -> None:
         """Store an inode record as it is (and index its pending state)."""
@@ -539,7 +618,7 @@ class MetaStore:
         if txn.get(objkey, db=self.objkeys) == u64(ino):
             txn.delete(objkey, db=self.objkeys)
             if tomb and (inode.in_lake or (inode.is_dir and not inode.pending & META)):
-                txn.put(objkey, self._tomb(txn, ino), db=self.tombs)
+                self._tomb(txn, inode.key, ino)
         inode.orphan = True
         self._put(txn, inode)
         return inode
@@ -575,7 +654,7 @@ class MetaStore:
             self._rekey(txn, ino, new_key, etags, now, has_local, parent=new_parent)
             for key in tombstones:
                 if txn.get(key_bytes(key), db=self.objkeys) is None:
-                    txn.put(key_bytes(key), self._tomb(txn, 0), db=self.tombs)
+                    self._tomb(txn, key, 0)
             moved = Inode.decode(txn.get(u64(ino), db=self.inodes))
         return moved, replaced
 
@@ -589,7 +668,8 @@ class MetaStore:
                now: float, has_local: Callable[[int], bool],
                parent: int | None = None) -> None:
         inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
-        old = key_bytes(inode.key)
+        old_key = inode.key
+        old = key_bytes(old_key)
         if txn.get(old, db=self.objkeys) == u64(ino):
             txn.delete(old, db=self.objkeys)
         inode.key = new_key
@@ -604,7 +684,7 @@ class MetaStore:
             if inode.in_lake and inode.etag != MAYBE_IN_LAKE and not inode.pending & DATA:
                 # Promoted while the move was under way: its object under the
                 # old key was not copied. Delete it; upload the local copy.
-                txn.put(old, self._tomb(txn, 0), db=self.tombs)
+                self._tomb(txn, old_key, 0)
                 if has_local(ino):
                     inode.pending |= DATA
             # No object of its own under the new key; an older one may be there.
@@ -624,7 +704,7 @@ class MetaStore:
 
     def add_tombstone(self, key: str, ino: int = 0) -> None:
         with self.env.begin(write=True) as txn:
-            txn.put(key_bytes(key), self._tomb(txn, ino), db=self.tombs)
+            self._tomb(txn, key, ino)
 
     def drop_tombstone(self, key: str) -> None:
         with self.env.begin(write=True) as txn:
