@@ -81,6 +81,8 @@ PACK_PROGRESS_XATTR = b"user.aifs.pack_progress"
 ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the second read
 PINNED_XATTR = b"user.aifs.pinned"  # "1": kept in the cache (node-local)
 UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
+PATH_MAX = 4096
+HEADS_AT_ONCE = 32  # attribute reads of one readdir batch in flight
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 COPY_CONCURRENCY = 16
@@ -497,13 +499,37 @@ class Filesystem:
         self.dirs[fh] = ino
         return fh
 
-    def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
+    async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
         """The next batch of (cookie, name, inode) after ``after_cookie``:
         ``.`` and ``..`` first (cookies 1 and 2), then the entries, whose
-        stored cookies are shifted by 2."""
+        stored cookies are shifted by 2.
+
+        readdir reports each entry's type (d_type): an object LIST showed
+        that may be a symlink, FIFO, socket or device (their objects are
+        small: at most PATH_MAX bytes) has its attributes read first, those
+        of one batch in parallel. Larger objects are regular files."""
         ino = self.dirs.get(fh)
         if ino is None:
             raise FsError(errno.EBADF)
+        batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
+        for _ in range(3):  # entries that move up into the batch are looked at too
+            unknown = [inode for _, _, inode in batch if self._type_unknown(inode)]
+            if not unknown:
+                break
+            limiter = trio.CapacityLimiter(HEADS_AT_ONCE)
+
+            async def load(inode: Inode, limiter: trio.CapacityLimiter = limiter) -> None:
+                async with limiter:
+                    try:
+                        await self._load_attrs(inode, may_change_kind=True)
+                    except LakeError as exc:  # listed as a file; a lookup tries again
+                        log.warning("attributes of %s: %s", inode.key, exc)
+
+            async with trio.open_nursery() as nursery:
+                for inode in unknown:
+                    nursery.start_soon(load, inode)
+            # A symlink found gets a new inode number (and cookie: it comes later)
+            batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
         out: list[tuple[int, bytes, Inode]] = []
         if after_cookie < 2:
             directory = self._inode(ino)
@@ -511,9 +537,14 @@ class Filesystem:
                 out.append((1, b".", directory))
             parent = directory if ino == ROOT_INO else self.meta.get(directory.parent)
             out.append((2, b"..", self._with_written(parent or directory)))
-        out += [(cookie + 2, name, self._with_written(inode)) for cookie, name, inode
-                in self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)]
+        out += [(cookie + 2, name, self._with_written(inode)) for cookie, name, inode in batch]
         return out
+
+    def _type_unknown(self, inode: Inode) -> bool:
+        """Whether a listed object may be other than a regular file."""
+        return (inode.kind == FILE and not inode.attrs_known and not inode.pending
+                and not inode.packed and inode.in_lake and inode.size <= PATH_MAX
+                and self.config.object_attrs)
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -539,8 +570,15 @@ class Filesystem:
              pending: int, **extra: object) -> Inode:
         now = self.clock()
         key = directory.key + _name(name) + ("/" if kind == DIR else "")
+        mode = stat.S_IMODE(mode)
+        if directory.mode >= 0 and directory.mode & stat.S_ISGID:
+            # A set-group-ID directory: its group is inherited, and by
+            # directories the bit too (as ext4 and tmpfs do).
+            gid = self.gid if directory.gid < 0 else directory.gid
+            if kind == DIR:
+                mode |= stat.S_ISGID
         inode = Inode(0, kind, key, directory.ino, mtime_ns=time.time_ns(),
-                      mode=stat.S_IMODE(mode), uid=uid, gid=gid, ctime=now,
+                      mode=mode, uid=uid, gid=gid, ctime=now,
                       attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
         inode = self.meta.create(directory.ino, name, inode)
         self._touch_dir(directory.ino)

@@ -108,7 +108,7 @@ class Operations(pyfuse3.Operations):
     @_replies
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         while True:
-            batch = self.fs.readdir(fh, start_id)
+            batch = await self.fs.readdir(fh, start_id)
             if not batch:
                 return
             for cookie, name, inode in batch:

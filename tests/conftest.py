@@ -664,3 +664,22 @@ def sides(conf_mount, tmpfs) -> tuple[Side, Side]:
     os.chmod(fuse_dir, 0o777)
     os.chmod(ref_dir, 0o777)
     return Side("aifs", fuse_dir, conf_mount), Side("tmpfs", ref_dir)
+
+
+@pytest.fixture
+def second_mount(conf_mount, tmp_path) -> Iterator[Callable[[], Mount]]:
+    """``second_mount()``: after everything of ``conf_mount`` reached the lake,
+    the same lake mounted again on an empty cache (a fresh node)."""
+    mounts: list[Mount] = []
+
+    def make() -> Mount:
+        os.getxattr(conf_mount.path, "user.aifs.sync")
+        n = len(mounts)
+        mount = Mount(conf_mount.lake, tmp_path / f"fresh{n}", tmp_path / f"fresh-cache{n}",
+                      tmp_path / f"fresh{n}.log", ["--allow-other"])
+        mounts.append(mount)
+        return mount
+
+    yield make
+    for mount in mounts:
+        mount.unmount()
