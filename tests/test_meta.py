@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from aifs.meta.store import DIR, FILE, ROOT_INO, Listed, MetaStore, valid_name
+import pytest
+
+from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
 
 
 def _files(*names: str, prefix: str = "") -> list[Listed]:
@@ -107,3 +109,49 @@ def test_a_key_tombstoned_again_during_its_delete_keeps_its_tombstone(tmp_path):
     assert meta.tombstones() == {"a": 0}
     meta.drop_tombstones(meta.tombstone_marks(["a"]))
     assert meta.tombstones() == {}
+
+
+def test_a_store_of_schema_2_opens_with_its_dirty_data(tmp_path):
+    """An upgrade migrates the store: the record of a file not yet promoted
+    survives, and mode 0 of schema 2 ('the default') becomes -1."""
+    import json
+
+    import lmdb
+
+    from aifs.meta.store import DATA, FILE, MetaStore, u64
+    path = tmp_path / "meta"
+    meta = MetaStore(path)
+    dirty = meta.create(1, b"dirty.bin", Inode(0, FILE, "dirty.bin", 1, size=5, pending=DATA,
+                                                 mode=0o600))
+    plain = meta.create(1, b"plain.bin", Inode(0, FILE, "plain.bin", 1, size=9, etag='"e"'))
+    meta.close()
+    env = lmdb.open(str(path), max_dbs=20)  # written back as schema 2 had it
+    inodes, sys_db = env.open_db(b"inode"), env.open_db(b"sys")
+    with env.begin(write=True) as txn:
+        raw = json.loads(txn.get(u64(plain.ino), db=inodes))
+        raw["mode"] = 0
+        del raw["atime_ns"], raw["rdev"]
+        txn.put(u64(plain.ino), json.dumps(raw).encode(), db=inodes)
+        txn.put(b"schema", b"2", db=sys_db)
+    env.close()
+    meta = MetaStore(path)
+    assert [i.ino for i in meta.pending_inodes()] == [dirty.ino]
+    assert meta.get(dirty.ino).mode == 0o600 and meta.get(dirty.ino).size == 5
+    assert meta.get(plain.ino).mode == -1
+    assert meta.lookup(1, b"plain.bin").ino == plain.ino
+    meta.close()
+
+
+def test_a_store_of_an_unknown_schema_is_refused_and_kept(tmp_path):
+    import lmdb
+
+    from aifs.meta.store import SchemaError
+    path = tmp_path / "meta"
+    MetaStore(path).close()
+    env = lmdb.open(str(path), max_dbs=20)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"99", db=env.open_db(b"sys"))
+    env.close()
+    with pytest.raises(SchemaError, match="schema 99"):
+        MetaStore(path)
+    assert (path / "data.mdb").exists()

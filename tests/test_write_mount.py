@@ -541,6 +541,34 @@ def test_large_file_is_uploaded_while_it_is_written(lake, mounter, aifs_cli):
     assert path.read_bytes() == data
 
 
+def test_attributes_set_through_the_fd_of_a_streamed_file_reach_the_object(
+        lake, mounter, aifs_cli):
+    """cp -p and tar x of a large file: written front to back (its parts go to
+    the lake as it is written), then fchmod and futimens before close. The
+    object's metadata has the mode and mtime, after a mount on an empty cache too."""
+    mount = mounter(lake, "--promote-delay", "0.2", *SMALL_PARTS)
+    path = mount.path / "big.bin"
+    data = random.Random(11).randbytes(12 * MiB + 7)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_front_to_back(fd, data, 0, len(data))
+        wait_for(lambda: lake_upload_parts(lake) > 0, 20, "parts in the lake while open")
+        os.fchmod(fd, 0o640)
+        os.utime(fd, ns=(1_500_000_000_000_000_000, 1_600_000_000_123_456_789))
+    finally:
+        os.close(fd)
+    sync(aifs_cli, mount.path)
+    meta = lake_meta(lake, "big.bin")
+    assert int(meta["mode"]) & 0o7777 == 0o640
+    assert mtime_ns_of(meta["mtime"]) == 1_600_000_000_123_456_789
+    mount.unmount()
+    fresh = mounter(lake, name="fresh")
+    st = os.stat(fresh.path / "big.bin")
+    assert (st.st_size, st.st_mode & 0o7777, st.st_mtime_ns) == \
+        (len(data), 0o640, 1_600_000_000_123_456_789)
+    assert (fresh.path / "big.bin").read_bytes() == data
+
+
 def test_large_file_rewritten_after_close_is_promoted_whole(lake, mounter, aifs_cli):
     """Streams broken every way a writer can: a write after close (racing the
     completion of the upload), a truncate while open, a write behind what was

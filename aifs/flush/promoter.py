@@ -113,6 +113,7 @@ class Promoter:
         self._slots = trio.Semaphore(max(1, config.promote_workers))
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
         self._sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
+        self._streamed: set[int] = set()  # uploads just completed from a stream
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
@@ -311,6 +312,11 @@ class Promoter:
             self.schedule(ino)
             return False
         done = inode.pending
+        if ino in self._streamed and inode.pending & META:
+            # A streamed object got the attributes of when its upload began
+            # (and the lake's mtime): a chmod or utime since is written next.
+            done &= ~META
+        self._streamed.discard(ino)
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
@@ -322,6 +328,8 @@ class Promoter:
         if done & DATA and not settled.pending:
             self.files.mark_clean(ino)
         self.host.promoted(ino, settled)
+        if settled.pending:
+            self.schedule(ino, 0.0)
         return True
 
     def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None:
@@ -386,6 +394,7 @@ class Promoter:
         if self.streams.active(inode.ino):
             info = await self.streams.finish(inode.ino, inode.key, size, version)
             if info is not None:
+                self._streamed.add(inode.ino)
                 self.stats.uploads += 1
                 self.stats.upload_bytes += size
                 return info
