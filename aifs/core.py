@@ -98,6 +98,10 @@ class OpenFile:
     writable: bool
     advised: int = 0  # a local copy read sequentially: asked the kernel to read this far
     data: bytes | None = None  # a packed file's verified bytes, read once per handle
+    #: opened for writing by a user without CAP_FSETID: the first write clears
+    #: set-user-ID (and set-group-ID with group execute), as Linux does. The
+    #: kernel does it itself except for direct-I/O handles.
+    kill_setid: bool = False
 
 
 @dataclass(frozen=True)
@@ -570,6 +574,7 @@ class Filesystem:
              pending: int, **extra: object) -> Inode:
         now = self.clock()
         key = directory.key + _name(name) + ("/" if kind == DIR else "")
+        self._check_key(key)
         mode = stat.S_IMODE(mode)
         if directory.mode >= 0 and directory.mode & stat.S_ISGID:
             # A set-group-ID directory: its group is inherited, and by
@@ -584,6 +589,12 @@ class Filesystem:
         self._touch_dir(directory.ino)
         self.remember(inode.ino)
         return inode
+
+    def _check_key(self, key: str) -> None:
+        """A name whose lake key the lake cannot hold gets ENAMETOOLONG (S3
+        keys have at most 1,024 bytes): refused now, not lost at promotion."""
+        if len(key.encode("utf-8", "surrogateescape")) > self.store.max_key_bytes:
+            raise FsError(errno.ENAMETOOLONG)
 
     def _touch_dir(self, ino: int) -> None:
         """A directory's entries changed: its mtime moves (kept locally only, and
@@ -614,6 +625,7 @@ class Filesystem:
                      gid: int) -> tuple[int, Inode]:
         inode = await self._new_file(parent, name, mode, uid, gid)
         fh = self._open_handle(inode, writable=True)
+        self.files[fh].kill_setid = uid != 0
         self._maybe_stream(inode)
         return fh, inode
 
@@ -736,6 +748,7 @@ class Filesystem:
         self._save_written(source.ino)
         source = self._inode(source.ino)
         new_key = target_dir.key + _name(new_name) + ("/" if source.is_dir else "")
+        self._check_key(new_key)
         tombstones, etags = await self._move_in_lake(source, new_key)
         if target is not None and target.packed and not source.packed:
             self.packer.queue_records([deletion(target.key)])
@@ -874,7 +887,7 @@ class Filesystem:
         return old_keys, etags
 
     # -- files ----------------------------------------------------------------
-    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
         """Open a file; return the handle and whether the kernel may keep the
         pages it cached for this inode (only if the content did not change
         behind its back). O_TRUNC arrives here (atomic open-truncate)."""
@@ -885,6 +898,7 @@ class Filesystem:
         keep_cache = self._kernel_etag.get(ino) == inode.etag
         self._kernel_etag[ino] = inode.etag
         fh = self._open_handle(inode, writable)
+        self.files[fh].kill_setid = writable and uid != 0
         if writable and flags & os.O_TRUNC:
             try:
                 await self._truncate(inode, 0)
@@ -1049,6 +1063,9 @@ class Filesystem:
         if not handle.writable:
             raise FsError(errno.EBADF)
         ino = handle.ino
+        if handle.kill_setid:
+            handle.kill_setid = False
+            self._kill_setid(ino)
         size, _ = await self._make_local(ino)
         end = offset + len(data)
         if end > size:
@@ -1063,6 +1080,17 @@ class Filesystem:
         self._changed(ino)
         self.local.resized(ino, size)
         return written
+
+    def _kill_setid(self, ino: int) -> None:
+        inode = self.meta.get(ino)
+        if inode is None or inode.mode < 0:
+            return
+        mode = inode.mode & ~stat.S_ISUID
+        if mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID | stat.S_IXGRP:
+            mode &= ~stat.S_ISGID
+        if mode != inode.mode:
+            self._changed(ino)
+            self.meta.update(ino, mode=mode, pending=inode.pending | META, ctime=self.clock())
 
     async def _pwrite(self, fd: int, data: bytes, offset: int) -> int:
         """Write to a local copy, inline: a write into the page cache takes
@@ -1496,7 +1524,10 @@ class Filesystem:
         return value
 
     def listxattr(self, ino: int) -> list[bytes]:
-        return list(self.xattrs(ino))
+        """The xattrs users set. The ``user.aifs.*`` facts and commands are
+        read by name only: listed, copies (rsync -X, tar --xattrs, cp -a)
+        would try to set or remove them and fail."""
+        return [name.encode("utf-8", "surrogateescape") for name in self._inode(ino).xattrs]
 
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         if name == UNMOUNT_FLUSH_XATTR and ino == ROOT_INO:

@@ -179,7 +179,7 @@ class Operations(pyfuse3.Operations):
     @_replies
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        fh, keep_cache = await self.fs.open(inode, flags)
+        fh, keep_cache = await self.fs.open(inode, flags, ctx.uid)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache,
                                 direct_io=self.fs.writes_direct(flags))
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -624,12 +625,22 @@ def file_digest(path: Path) -> str:
 @pytest.fixture(scope="session")
 def tmpfs(tmp_path_factory) -> Iterator[Path]:
     """A tmpfs, the reference every case is also run on."""
-    path = tmp_path_factory.mktemp("tmpfs")
+    path = open_dir() / "tmpfs"
+    path.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)],
                    check=True)
     os.chmod(path, 0o777)
     yield path
     subprocess.run(["umount", "-l", str(path)], check=False)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def open_dir() -> Path:
+    """A new directory other users can reach (pytest's tmp_path is root's
+    alone): permission cases switch to nobody."""
+    path = Path(tempfile.mkdtemp(prefix="aifs-conf-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    return path
 
 
 class Side:
@@ -646,12 +657,14 @@ def conf_mount(request, tmp_path_factory) -> Iterator[Mount]:
     """aifs on one lake kind, with allow_other (permission cases switch users)."""
     base = tmp_path_factory.mktemp(f"conf-{request.param}")
     lake = _make_lake(request.param, request, base)
-    mount = Mount(lake, base / "mnt", base / "cache", base / "aifs.log",
+    where = open_dir()
+    mount = Mount(lake, where / "mnt", base / "cache", base / "aifs.log",
                   ["--allow-other"])
     os.chmod(mount.path, 0o777)
     yield mount
     if mount.proc.poll() is None or os.path.ismount(mount.path):
         mount.unmount()
+    shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture

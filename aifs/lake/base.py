@@ -33,6 +33,8 @@ class ObjectStore(abc.ABC):
 
     #: a short description for logs and error messages (never secrets)
     description: str = ""
+    #: the longest key (UTF-8 bytes, relative to the store's prefix) it can hold
+    max_key_bytes: int = 1024
 
     async def check(self) -> None:
         """Fail with a clear LakeError if the lake cannot be used."""

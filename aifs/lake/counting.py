@@ -29,6 +29,7 @@ class CountingStore(ObjectStore):
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.description = inner.description
+        self.max_key_bytes = inner.max_key_bytes
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # time spent waiting, per operation

@@ -45,6 +45,8 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str, prefix: str = "", max_threads: int = 16) -> None:
         self.root = os.path.abspath(root)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        # a path of the lake directory holds at most PATH_MAX - 1 bytes
+        self.max_key_bytes = 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
         self.description = f"file://{self.root}" + (f" (prefix {self.prefix})" if prefix else "")
         self._limiter = trio.CapacityLimiter(max_threads)
 

@@ -47,6 +47,8 @@ class S3Store(ObjectStore):
                  retries: int = 5, sign_payload: bool = False) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        # S3 (and Ceph RGW) keys hold at most 1,024 bytes, the prefix included
+        self.max_key_bytes = 1024 - len(self.prefix.encode())
         self.retry = RetryPolicy(attempts=retries)
         self.limiter = trio.CapacityLimiter(max_connections)
         try:

@@ -32,6 +32,8 @@ out = []
 
 
 def run_steps(root: Path, steps: str) -> list:
+    # nobody must reach the directory, or every step fails alike on both sides
+    steps = "os.stat(root)\n" + steps
     result = as_user(NOBODY, NOBODY, STEPS + steps + "\nprint(repr(out))", str(root))
     assert result.returncode == 0, result.stderr
     return eval(result.stdout)  # noqa: S307 (our own literal)
@@ -112,4 +114,22 @@ def test_set_group_id_directory_is_inherited(sides):
         os.mkdir(root / "shared" / "sub")
         f, sub = os.stat(root / "shared" / "f"), os.stat(root / "shared" / "sub")
         return f.st_gid, sub.st_gid, bool(sub.st_mode & stat.S_ISGID)
+    both(sides, case)
+
+
+def test_write_only_handles_of_another_user_clear_set_ids(sides):
+    """The kernel clears set-IDs on writes it caches, not on direct-I/O ones
+    (aifs's write-only handles): aifs does it at the first write."""
+    def case(root: Path):
+        for name, mode in (("u", 0o4777), ("g", 0o2777), ("ug", 0o6777)):
+            (root / name).write_bytes(b"")
+            os.chmod(root / name, mode)
+        out = run_steps(root, """
+for name in ("u", "g", "ug"):
+    fd = os.open(f"{root}/{name}", os.O_WRONLY)
+    os.write(fd, b"x")
+    out.append(oct(os.fstat(fd).st_mode))
+    os.close(fd)
+""")
+        return out, [mode_of(root / n) for n in ("u", "g", "ug")]
     both(sides, case)
