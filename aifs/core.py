@@ -27,7 +27,6 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
 
 import trio
 
@@ -226,10 +225,7 @@ class Filesystem:
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
-        if inode.is_dir:
-            nlink = 2 + self._subdirs(inode.ino)
-        else:
-            nlink = 0 if inode.orphan else 1
+        nlink = 2 + self._subdirs(inode.ino) if inode.is_dir else inode.nlink
         return Attributes(inode.ino, st_mode(inode), nlink,
                           self.uid if inode.uid < 0 else inode.uid,
                           self.gid if inode.gid < 0 else inode.gid,
@@ -292,6 +288,8 @@ class Filesystem:
                 inode.attrs_known = False
                 return inode
             return self.meta.reincarnate(inode)
+        if inode.link_id and may_change_kind:  # a name of a hard-linked file
+            return self.meta.join_link_group(inode)
         self.meta.put(inode)
         return inode
 
@@ -694,13 +692,17 @@ class Filesystem:
         self._remove(parent, name)
 
     def _remove(self, parent: int, name: bytes) -> None:
+        key = self._inode(parent).key + _name(name)
         removed = self.meta.remove(parent, name)
         self._touch_dir(parent)
         if removed is not None and removed.packed:
-            self.packer.queue_records([deletion(removed.key)])
-        if removed is not None:
+            self.packer.queue_records([deletion(key)])
+        if removed is not None and removed.orphan:
             self.promoter.streams.cancel(removed.ino, "deleted")
             self._unlinked(removed.ino)
+        elif removed is not None:  # a hard link: the other names stay
+            self._changed(removed.ino)
+            self._schedule(removed.ino)
         self.promoter.tombstones_changed()
 
     def _unlinked(self, ino: int) -> None:
@@ -711,8 +713,31 @@ class Filesystem:
             self._forget_written(ino)
         self._free_if_unused(ino)
 
-    def link(self, ino: int, new_parent: int, new_name: bytes) -> NoReturn:
-        raise FsError(errno.EPERM)  # hard links: an object has one key
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        """A hard link: one inode, one more name. In the lake each name is an
+        object of its own with the same bytes (a server-side copy) and the
+        group's id in its metadata (see objattrs)."""
+        inode = self._inode(ino)
+        if inode.is_dir:
+            raise FsError(errno.EPERM)
+        if inode.orphan:
+            raise FsError(errno.ENOENT)
+        directory = await self._new_entry(new_parent, new_name)
+        key = directory.key + _name(new_name)
+        self._check_key(key)
+        if inode.packed:
+            await self._make_local(ino)  # names of a packed file become objects
+            if not self._writers.get(ino):
+                self._forget_written(ino)
+        self._save_written(ino)
+        self.promoter.streams.cancel(ino, "linked")
+        self._changed(ino)
+        linked = self.meta.link(ino, new_parent, new_name, key,
+                                f"{self.meta.node_id()}-{ino}")
+        self._touch_dir(new_parent)
+        self.remember(ino)
+        self._schedule(ino)
+        return self._with_written(linked)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int,
                      new_name: bytes, flags: int) -> None:
@@ -749,7 +774,10 @@ class Filesystem:
         source = self._inode(source.ino)
         new_key = target_dir.key + _name(new_name) + ("/" if source.is_dir else "")
         self._check_key(new_key)
-        tombstones, etags = await self._move_in_lake(source, new_key)
+        if source.links:  # a name of a hard-linked file: the promoter copies it anew
+            tombstones, etags = [], {}
+        else:
+            tombstones, etags = await self._move_in_lake(source, new_key)
         if target is not None and target.packed and not source.packed:
             self.packer.queue_records([deletion(target.key)])
         moved, replaced = self.meta.rename(old_parent, old_name, new_parent, new_name,
@@ -765,9 +793,12 @@ class Filesystem:
         self.checkpoints.committed_by_rename(moved)
         if not moved.is_dir:
             self.promoter.streams.cancel(moved.ino, "renamed")
-        if replaced is not None:
+        if replaced is not None and replaced.orphan:
             self.promoter.streams.cancel(replaced.ino, "replaced")
             self._unlinked(replaced.ino)
+        elif replaced is not None:
+            self._changed(replaced.ino)
+            self._schedule(replaced.ino)
         if moved.pending:
             self._schedule(moved.ino, sooner=True)
         self.promoter.tombstones_changed()
@@ -1288,7 +1319,7 @@ class Filesystem:
         """Whether a file goes to the lake in a pack: small, a dataset or
         default file (checkpoints, their markers and weights get objects)."""
         return (inode.kind == FILE and inode.size < self.packer.threshold
-                and not self.promoter.streams.active(inode.ino)
+                and not inode.links and not self.promoter.streams.active(inode.ino)
                 and self.checkpoints.policy_of(inode) in (DATASET, DEFAULT)
                 and not self.checkpoints.is_marker(inode))
 

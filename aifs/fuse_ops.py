@@ -174,7 +174,7 @@ class Operations(pyfuse3.Operations):
     @_replies
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        self.fs.link(inode, new_parent_inode, new_name)
+        return self._entry(await self.fs.link(inode, new_parent_inode, new_name))
 
     @_replies
     async def open(self, inode: int, flags: int,

@@ -295,6 +295,8 @@ class Promoter:
         if info is None:
             self.schedule(ino)  # changed before anything landed: promote it later
             return False
+        if inode.links:
+            await self._copy_to_links(inode)
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
             # Renamed or deleted while it uploaded: what landed under the old
@@ -460,6 +462,13 @@ class Promoter:
             self._sent[ino] = self._sent.get(ino, 0) + length
         finally:
             in_flight.release()
+
+    async def _copy_to_links(self, inode: Inode) -> None:
+        """Each further name of a hard-linked file is an object of its own:
+        a server-side copy of the primary, with the same metadata."""
+        metadata = to_metadata(inode, self.uid, self.gid)
+        for key in inode.keys()[1:]:
+            await self.store.copy(inode.key, key, metadata)
 
     async def _write_metadata(self, inode: Inode) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)

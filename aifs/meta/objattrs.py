@@ -6,8 +6,10 @@
 only once set) and ``rdev`` (decimal, of devices). A FIFO, socket or device
 is an empty object whose ``mode`` carries its type bits, as s3fs writes them.
 A bucket written by s3fs keeps its modes through aifs and the other way round.
-A symlink is an object
-whose content is the target and whose ``mode`` has S_IFLNK.
+A symlink is an object whose content is the target and whose ``mode`` has
+S_IFLNK. Each name of a hard-linked file is an object with the same bytes
+(other tools see ordinary files) and ``aifs-link`` (the group id) and
+``aifs-nlink`` in its metadata, so a fresh node joins the names again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ log = logging.getLogger(__name__)
 
 #: S3 allows 2 KiB of user metadata; xattrs get what the other fields leave
 MAX_XATTR_BYTES = 1536
+#: a hard-linked file: each name is an object of its own with the same bytes;
+#: these say which names are one file (the group id) and how many it has
+LINK_META = "aifs-link"
+NLINK_META = "aifs-nlink"
 
 
 _TYPE_BITS = {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK, FIFO: stat.S_IFIFO, CHR: stat.S_IFCHR,
@@ -78,6 +84,9 @@ def to_metadata(inode: Inode, uid: int, gid: int) -> dict[str, str]:
         meta["atime"] = _time_text(inode.atime_ns)
     if inode.kind in (CHR, BLK):
         meta["rdev"] = str(inode.rdev)
+    if inode.link_id:
+        meta[LINK_META] = inode.link_id
+        meta[NLINK_META] = str(inode.nlink)
     if inode.xattrs:
         meta["xattr"] = encode_xattrs(inode.xattrs)
     return meta
@@ -102,6 +111,9 @@ def apply_metadata(inode: Inode, meta: dict[str, str]) -> None:
             inode.atime_ns = _time(meta["atime"])
         if "rdev" in meta and inode.kind in SPECIAL:
             inode.rdev = int(meta["rdev"])
+        if meta.get(LINK_META) and not inode.is_dir:
+            inode.link_id = meta[LINK_META]
+            inode.nlink_hint = int(meta.get(NLINK_META, "0"))
     except ValueError:
         log.warning("%s: unreadable POSIX metadata %r; using defaults", inode.key, meta)
     if "xattr" in meta:

@@ -24,6 +24,8 @@ upload     ino ++ lake key                  JSON {key, upload_id, started}: a mu
                                             upload in progress (aborted after a crash)
 marker     ino ++ u64 sequence number       content of a commit marker as one close left
                                             it (published once what it commits is in)
+link       hard-link group id (UTF-8)       u64 ino that holds the group's names here
+                                            (a fresh node joins names it finds by it)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"next_seq" / b"next_tomb"
            b"next_outbox"
@@ -172,6 +174,10 @@ class Inode:
     pack_offset: int = 0  # ... where in the pack they start
     checksum: str = ""  # ... and their xxh3, verified on every read from the lake
     xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
+    #: hard links: [parent ino, lake key] of each name besides (parent, key)
+    links: list[list] = field(default_factory=list)
+    link_id: str = ""  # the names' group id, in each name's object metadata
+    nlink_hint: int = 0  # st_nlink the lake's metadata told, before all names were seen
 
     def encode(self) -> bytes:
         return compact_json(self.__dict__).encode()
@@ -195,11 +201,24 @@ class Inode:
         inode.__dict__.update(known.__dict__)
         if known.xattrs:
             inode.xattrs = dict(known.xattrs)
+        if known.links:
+            inode.links = [list(link) for link in known.links]
         return inode
 
     @property
     def is_dir(self) -> bool:
         return self.kind == DIR
+
+    @property
+    def nlink(self) -> int:
+        """Names of a non-directory (0 once unlinked and still open)."""
+        if self.orphan:
+            return 0
+        return max(1 + len(self.links), self.nlink_hint)
+
+    def keys(self) -> list[str]:
+        """Every lake key of the inode's names, the primary first."""
+        return [self.key] + [key for _, key in self.links]
 
     @property
     def packed(self) -> bool:
@@ -248,6 +267,7 @@ class MetaStore:
         self.tombs = self.env.open_db(b"tomb")
         self.uploads = self.env.open_db(b"upload")
         self.markers = self.env.open_db(b"marker")
+        self.link_groups = self.env.open_db(b"link")
         self.sys = self.env.open_db(b"sys")
         with self.env.begin(write=True) as txn:
             txn.put(b"schema", SCHEMA_VERSION, db=self.sys)
@@ -614,6 +634,9 @@ class MetaStore:
         if not raw:
             return None
         inode = Inode.decode(raw)
+        if inode.links:
+            self._drop_name(txn, inode, self._key_of(txn, parent, name), tomb)
+            return inode
         objkey = key_bytes(inode.key)
         if txn.get(objkey, db=self.objkeys) == u64(ino):
             txn.delete(objkey, db=self.objkeys)
@@ -651,12 +674,85 @@ class MetaStore:
             txn.put(u64(new_parent) + new_name, _U64x2.pack(ino, cookie), db=self.dentries)
             txn.put(u64(new_parent) + u64(cookie), new_name, db=self.cookies)
             now = time.time()
-            self._rekey(txn, ino, new_key, etags, now, has_local, parent=new_parent)
+            self._rekey(txn, ino, new_key, etags, now, has_local, parent=new_parent,
+                        old_key=self._key_of(txn, old_parent, old_name))
             for key in tombstones:
                 if txn.get(key_bytes(key), db=self.objkeys) is None:
                     self._tomb(txn, key, 0)
             moved = Inode.decode(txn.get(u64(ino), db=self.inodes))
         return moved, replaced
+
+    # -- hard links -------------------------------------------------------------
+    def _key_of(self, txn: lmdb.Transaction, parent: int, name: bytes) -> str:
+        """The lake key of a non-directory ``name`` in ``parent``."""
+        directory = Inode.decode(txn.get(u64(parent), db=self.inodes))
+        return directory.key + name.decode("utf-8", "surrogateescape")
+
+    def _drop_name(self, txn: lmdb.Transaction, inode: Inode, key: str, tomb: bool) -> None:
+        """One name of a hard-linked inode is gone (its dentry already): the
+        inode keeps the others; the first left becomes its primary key."""
+        if key == inode.key:
+            inode.parent, inode.key = inode.links.pop(0)
+        else:
+            inode.links = [link for link in inode.links if link[1] != key]
+        raw = key_bytes(key)
+        if txn.get(raw, db=self.objkeys) == u64(inode.ino):
+            txn.delete(raw, db=self.objkeys)
+        if tomb:
+            self._tomb(txn, key, 0)
+        inode.nlink_hint = 0
+        inode.ctime = time.time()
+        inode.pending |= META  # each object's metadata says how many names are left
+        self._put(txn, inode)
+
+    def link(self, ino: int, parent: int, name: bytes, key: str, link_id: str) -> Inode:
+        """Give ``ino`` one more name: ``name`` in ``parent``, lake key ``key``."""
+        with self.env.begin(write=True) as txn:
+            inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
+            cookie = self._counter(txn, b"next_cookie", 1)
+            txn.put(u64(parent) + name, _U64x2.pack(ino, cookie), db=self.dentries)
+            txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
+            txn.put(key_bytes(key), u64(ino), db=self.objkeys)
+            inode.links.append([parent, key])
+            if not inode.link_id:
+                inode.link_id = link_id
+                txn.put(link_id.encode(), u64(ino), db=self.link_groups)
+            inode.nlink_hint = 0
+            inode.ctime = time.time()
+            inode.pending |= META  # the new name's object is made with the metadata
+            self._put(txn, inode)
+        return inode
+
+    def join_link_group(self, inode: Inode) -> Inode:
+        """A fresh node found a name whose object belongs to a hard-link group:
+        if another inode here holds the group, the name becomes one of its
+        names (this inode an orphan); else this inode holds the group."""
+        with self.env.begin(write=True) as txn:
+            raw_owner = txn.get(inode.link_id.encode(), db=self.link_groups)
+            owner_raw = txn.get(raw_owner, db=self.inodes) if raw_owner else None
+            owner = Inode.decode(owner_raw) if owner_raw else None
+            if owner is None or owner.orphan or owner.link_id != inode.link_id \
+                    or owner.ino == inode.ino:
+                txn.put(inode.link_id.encode(), u64(inode.ino), db=self.link_groups)
+                self._put(txn, inode)
+                return inode
+            if inode.key in owner.keys():
+                return owner
+            entry = self._entry_of(txn, inode)
+            if entry is None:
+                return inode
+            name, value = entry
+            self._remove_dentry(txn, inode.parent, name, value)
+            cookie = self._counter(txn, b"next_cookie", 1)
+            txn.put(u64(inode.parent) + name, _U64x2.pack(owner.ino, cookie), db=self.dentries)
+            txn.put(u64(inode.parent) + u64(cookie), name, db=self.cookies)
+            txn.put(key_bytes(inode.key), u64(owner.ino), db=self.objkeys)
+            owner.links.append([inode.parent, inode.key])
+            owner.nlink_hint = max(owner.nlink_hint, inode.nlink_hint)
+            self._put(txn, owner)
+            inode.orphan = True
+            self._put(txn, inode)
+        return owner
 
     def _remove_dentry(self, txn: lmdb.Transaction, parent: int, name: bytes,
                        value: bytes) -> None:
@@ -666,8 +762,11 @@ class MetaStore:
 
     def _rekey(self, txn: lmdb.Transaction, ino: int, new_key: str, etags: dict[str, str],
                now: float, has_local: Callable[[int], bool],
-               parent: int | None = None) -> None:
+               parent: int | None = None, old_key: str | None = None) -> None:
         inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
+        if inode.links and old_key is not None:
+            self._move_name(txn, inode, old_key, new_key, parent)
+            return
         old_key = inode.key
         old = key_bytes(old_key)
         if txn.get(old, db=self.objkeys) == u64(ino):
@@ -698,9 +797,32 @@ class MetaStore:
                 child = _U64x2.unpack(value[:16])[0]
                 kind = Inode.decode(txn.get(u64(child), db=self.inodes)).kind
                 suffix = "/" if kind == DIR else ""
-                self._rekey(txn, child,
-                            new_key + name.decode("utf-8", "surrogateescape") + suffix,
-                            etags, now, has_local)
+                text = name.decode("utf-8", "surrogateescape") + suffix
+                self._rekey(txn, child, new_key + text, etags, now, has_local,
+                            old_key=old_key + text)
+
+    def _move_name(self, txn: lmdb.Transaction, inode: Inode, old_key: str, new_key: str,
+                   parent: int | None) -> None:
+        """Rename one name of a hard-linked inode. Its old object is deleted;
+        the promoter makes the new one (a copy, with the group's metadata)."""
+        if old_key == inode.key:
+            inode.key = new_key
+            if parent is not None:
+                inode.parent = parent
+        else:
+            for link in inode.links:
+                if link[1] == old_key:
+                    link[1] = new_key
+                    if parent is not None:
+                        link[0] = parent
+        raw = key_bytes(old_key)
+        if txn.get(raw, db=self.objkeys) == u64(inode.ino):
+            txn.delete(raw, db=self.objkeys)
+        self._tomb(txn, old_key, 0)
+        txn.put(key_bytes(new_key), u64(inode.ino), db=self.objkeys)
+        inode.ctime = time.time()
+        inode.pending |= META
+        self._put(txn, inode)
 
     def add_tombstone(self, key: str, ino: int = 0) -> None:
         with self.env.begin(write=True) as txn:
@@ -748,8 +870,8 @@ class MetaStore:
                 value = existing.pop(name, None)
                 if value is not None:
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
-                    if current.pending or current.ctime >= started:
-                        continue
+                    if current.pending or current.ctime >= started or current.links:
+                        continue  # (a hard-linked inode's names are this node's)
                     if current.kind == entry.kind or (current.kind == LINK
                                                       and entry.kind == FILE):
                         if current.etag != entry.etag or current.key != entry.key:
@@ -785,6 +907,8 @@ class MetaStore:
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed) -> int:
         objkey = key_bytes(entry.key)
         raw_ino = txn.get(objkey, db=self.objkeys)
+        if raw_ino is not None and b'"links":[[' in (txn.get(raw_ino, db=self.inodes) or b""):
+            raw_ino = None  # a name of a hard-linked inode: that record stays whole
         ino = _U64.unpack(raw_ino)[0] if raw_ino else self._counter(txn, b"next_ino", 2)
         cookie = self._counter(txn, b"next_cookie", 1)
         inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
