@@ -897,3 +897,33 @@ def test_umount_no_flush_leaves_changes_for_the_next_mount(lake, mounter, aifs_c
     assert (again.path / "kept.bin").read_bytes() == data
     sync(aifs_cli, again.path)
     assert lake_tree(lake) == ({"kept.bin": data, "d/small": b"small"}, {"d"})
+
+
+def test_a_file_the_lake_refuses_does_not_keep_the_others_out_at_unmount(tmp_path, mounter):
+    """One file whose upload keeps failing (here: its lake directory is
+    immutable) must not make the unmount give up on every other pending file."""
+    import subprocess
+
+    from conftest import Lake
+    root = tmp_path / "lake"
+    (root / "blocked").mkdir(parents=True)
+    lake = Lake("local", f"file://{root}", {}, [], root=root)
+    mount = mounter(lake, "--promote-delay", "3600", "--pack-threshold", "0",
+                    "--promote-workers", "1")
+    (mount.path / "blocked" / "f").write_bytes(b"refused")
+    os.makedirs(mount.path / "ok")
+    files = 100  # one at a time: they take longer than the failing file's retries
+    for i in range(files):
+        (mount.path / "ok" / f"{i}").write_bytes(b"%d" % i * MiB)
+    subprocess.run(["chattr", "+i", str(root / "blocked")], check=True)
+    try:
+        mount.unmount()
+    finally:
+        subprocess.run(["chattr", "-i", str(root / "blocked")], check=True)
+    assert {p.name: p.read_bytes() for p in (root / "ok").iterdir()} == \
+        {f"{i}": b"%d" % i * MiB for i in range(files)}
+    assert not (root / "blocked" / "f").exists()
+    assert "blocked/f" in mount.log_text()
+    again = mounter(lake, "--pack-threshold", "0", name="again", cache="m")  # promotes it now
+    wait_for(lambda: (root / "blocked" / "f").exists(), 30, "blocked/f in the lake")
+    assert (again.path / "blocked" / "f").read_bytes() == b"refused"

@@ -646,26 +646,39 @@ class Promoter:
             packing = self.packer.waiting()
             if not waiting and not tombs and not packing:
                 return
+            # What keeps failing does not stop the rest: sync gives up only
+            # once all that is left keeps failing (one file the lake refuses
+            # must not leave every other one out of the lake at unmount).
+            stuck: list[str] = []
             if packing:
                 count, why, when = self.packer.failure
                 if count >= 2 and when >= started:
-                    raise LakeError(f"packing small files: {why}")
+                    stuck.append(f"packing small files: {why}")
                 self.packer.hurry()
+            failing = 0
             for ino in waiting:
                 failure = self._failures.get(ino)
                 if failure and failure[2] >= started and failure[0] >= 2:
                     inode = self.meta.get(ino)
-                    raise LakeError(f"{inode.key if inode else ino}: {failure[1]}")
+                    stuck.append(f"{inode.key if inode else ino}: {failure[1]}")
+                    failing += 1
+                    continue
                 if ino not in self._active and not self.packer.queued(ino) and (
                         ino not in self._forced or ino not in self._due):
                     self.schedule(ino, 0.0, force=True)
+            deletes_stuck = False
             if tombs:
                 count, why, when = self._delete_failures
                 if count >= 2 and when >= started:
-                    raise LakeError(f"deleting from the lake: {why}")
+                    stuck.append(f"deleting from the lake: {why}")
+                    deletes_stuck = True
                 if not kicked:
                     self.tombstones_changed()
                     kicked = True
+            if stuck and failing == len(waiting) and (not tombs or deletes_stuck) \
+                    and (not packing or stuck[0].startswith("packing")):
+                more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
+                raise LakeError(stuck[0] + more)
             progress = self._progress
             with trio.move_on_after(1.0):
                 await progress.wait()
