@@ -6,9 +6,11 @@
 #   deploy/quickstart.sh --install-only install everything, mount nothing (CI)
 #
 # Installs: apt packages fuse3, libfuse3-dev, pkg-config, a C compiler, the
-# Python headers and systemd; a virtual environment in .venv with aifs and its
-# test extras; /usr/local/bin/aifs, the mount helpers /sbin/mount.fuse.aifs and
-# /sbin/umount.{fuse.,}aifs, and the systemd unit /etc/systemd/system/aifs@.service.
+# Python headers and systemd, and the programs tests/programs runs on a mount
+# (rsync, git, sqlite3, fio, unzip, zip, attr); a virtual environment in .venv
+# with aifs and its test extras; /usr/local/bin/aifs, the mount helpers
+# /sbin/mount.fuse.aifs and /sbin/umount.{fuse.,}aifs, and the systemd unit
+# /etc/systemd/system/aifs@.service.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
@@ -16,8 +18,10 @@ DEMO_MNT=${AIFS_DEMO_MOUNTPOINT:-/mnt/aifs-demo}
 DEMO_LAKE=${AIFS_DEMO_LAKE:-/var/lib/aifs/lake}
 
 need_apt=()
-# systemd: systemd-analyze checks the unit file in the tests
-for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev systemd; do
+# systemd: systemd-analyze checks the unit file in the tests; rsync ... attr: the
+# real programs tests/programs runs on a mount
+for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev systemd \
+           rsync git sqlite3 fio unzip zip attr; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -748,11 +748,32 @@ def test_symlinks(lake, mounter, aifs_cli):
                                 "dangling": b"/nowhere/at/all"}, {"d"})
 
 
-def test_hard_links_are_refused(lake, mounter):
+def test_hard_links_in_the_lake_are_objects_other_tools_can_read(lake, mounter, aifs_cli):
+    """Each name of a hard-linked file is an object with the file's bytes and
+    the group's id and name count in its metadata; an unlinked name's object
+    goes, the others stay."""
     mount = mount_rw(lake, mounter)
-    (mount.path / "f").write_bytes(b"1")
-    assert_errno(errno.EPERM, os.link, mount.path / "f", mount.path / "g")
-    assert names(mount.path) == ["f"]
+    m = mount.path
+    os.makedirs(m / "d")
+    (m / "f").write_bytes(b"linked bytes" * 100_000)  # an object of its own (1.2 MB)
+    (m / "small").write_bytes(b"tiny")  # packed, then linked: objects too
+    sync(aifs_cli, m)
+    os.link(m / "f", m / "d" / "g")
+    os.link(m / "f", m / "h")
+    os.link(m / "small", m / "d" / "small2")
+    sync(aifs_cli, m)
+    files, _ = lake_tree(lake)
+    assert {k: v for k, v in files.items() if not k.startswith(".aifs/")} == {
+        "f": b"linked bytes" * 100_000, "d/g": b"linked bytes" * 100_000,
+        "h": b"linked bytes" * 100_000, "small": b"tiny", "d/small2": b"tiny"}
+    metas = [lake_meta(lake, key) for key in ("f", "d/g", "h")]
+    assert {m["aifs-link"] for m in metas} == {metas[0]["aifs-link"]}
+    assert [m["aifs-nlink"] for m in metas] == ["3", "3", "3"]
+    os.unlink(m / "f")
+    sync(aifs_cli, m)
+    files, _ = lake_tree(lake)
+    assert "f" not in files and files["h"] == b"linked bytes" * 100_000
+    assert lake_meta(lake, "d/g")["aifs-nlink"] == "2"
 
 
 def test_fsync_keeps_data_across_a_daemon_crash(lake, mounter, aifs_cli):
