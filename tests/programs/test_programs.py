@@ -577,6 +577,17 @@ def fio(directory: Path, job: Path, *extra: str):
                 str(job)], timeout=300, cwd=job.parent)
 
 
+def streamed_times(lake, snap: dict[str, dict]) -> dict[str, dict]:
+    """On S3 lakes a file written front to back from empty past
+    multipart_threshold (16 MiB) streams to the lake as it is written; its
+    object gets the lake's completion time as mtime unless the time is set
+    explicitly (a difference listed in docs/SEMANTICS.md)."""
+    if lake.kind == "local":
+        return snap
+    return without(snap, ["mtime_ns"],
+                   where=lambda rel, r: r["type"] == "file" and r["size"] >= 16 * (1 << 20))
+
+
 def test_fio_verify(lake, mounter, tmp_path):
     """Four fio jobs write files at random offsets with crc32c verification headers
     and read them back verified; after the remount fio --verify_only checks every
@@ -607,7 +618,8 @@ def test_fio_verify(lake, mounter, tmp_path):
         "fio write+verify on the mount": outcome(written, "fio"),
         "fio randread on the mount": outcome(read, "fio"),
         "the files after the remount (got) vs before the unmount (expected)":
-            diff_snapshots(without_dir_times(after), without_dir_times(before)),
+            diff_snapshots(streamed_times(lake, without_dir_times(after)),
+                           streamed_times(lake, without_dir_times(before))),
         "fio --verify_only after the remount": outcome(verified, "fio --verify_only"),
         "fio randread after the remount": outcome(reread, "fio"),
     })
