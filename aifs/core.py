@@ -43,7 +43,7 @@ from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, kind_of, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
-from aifs.meta.packindex import deletion, pack_key
+from aifs.meta.packindex import deletion, is_packed_at, pack_key
 from aifs.meta.store import (
     BLK,
     CHR,
@@ -416,6 +416,12 @@ class Filesystem:
 
     def is_open(self, ino: int) -> bool:
         return self._opens.get(ino, 0) > 0
+
+    def reads_lake(self, ino: int) -> bool:
+        """Whether an open handle may still read ``ino``'s bytes from its lake
+        object (so a deleted name's object stays until the last close): not
+        once a local copy, which holds all of them, exists."""
+        return self.is_open(ino) and not self.local.has(ino)
 
     def _free_if_unused(self, ino: int) -> None:
         """Drop an orphan nobody refers to any more, with its local data."""
@@ -806,7 +812,13 @@ class Filesystem:
     def _move_packed(self, old_key: str, new_key: str, is_dir: bool) -> None:
         """Publish a rename of packed files: each gets a record under its new
         key (the same bytes) and a deletion under the old one. A packed copy
-        made by ``aifs pack`` is dropped: its original was copied in the lake."""
+        made by ``aifs pack`` is dropped: its original was copied in the lake.
+
+        A record moves only when the renamed file's lake copy IS that record:
+        the pack index may still name a file that was replaced while its pack
+        was on the way (its bytes are no one's now), or an older version of a
+        file changed since; those records are deleted, and the file's pending
+        upload writes the new key."""
         if is_dir:
             entries = self.packs.under(old_key)
         else:
@@ -822,11 +834,12 @@ class Filesystem:
                 continue
             moved = dataclasses.replace(entry, key=new_key + entry.key[len(old_key):],
                                         stamp=now + 1)
-            records.append(moved.record())
             owner = self.meta.owner_of(moved.key)
             inode = self.meta.get(owner) if owner is not None else None
-            if inode is not None and inode.pack == entry.pack \
-                    and inode.pack_offset == entry.offset and not inode.pending & DATA:
+            if inode is None:  # not loaded here (a subtree never listed): the lake's word
+                records.append(moved.record())
+            elif is_packed_at(inode, entry) and not inode.pending & DATA:
+                records.append(moved.record())
                 self.meta.update(inode.ino, etag=moved.etag)
         self.packer.queue_records(records)
 
@@ -876,6 +889,11 @@ class Filesystem:
                 owner_inode = self.meta.get(owner) if owner else None
                 if owner_inode is not None and owner_inode.pending & DATA:
                     continue  # uploaded under its new key later
+                if owner_inode is not None and owner_inode.packed:
+                    entry = self.packs.entry(obj.key)
+                    if entry is not None and not entry.origin \
+                            and is_packed_at(owner_inode, entry):
+                        continue  # a stale object under a packed file's name: deleted
                 pair = (obj.key, new_key + obj.key[len(source.key):])
                 if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
                     if unpromoted is None:
@@ -930,14 +948,15 @@ class Filesystem:
         self._kernel_etag[ino] = inode.etag
         fh = self._open_handle(inode, writable)
         self.files[fh].kill_setid = writable and uid != 0
-        if writable and flags & os.O_TRUNC:
+        if flags & os.O_TRUNC:  # O_RDONLY|O_TRUNC truncates too, as Linux does
             try:
                 await self._truncate(inode, 0)
             except BaseException:
                 self.release(fh)
                 raise
             keep_cache = False
-            self._maybe_stream(inode)
+            if writable:
+                self._maybe_stream(inode)
         return fh, keep_cache
 
     def writes_direct(self, flags: int) -> bool:

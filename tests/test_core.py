@@ -205,3 +205,24 @@ async def test_sync_of_one_file(fs, tmp_path):
     with trio.fail_after(30):
         await fs.sync(inode.ino)
     assert (tmp_path / "lake" / "one").read_bytes() == b"1"
+
+
+async def test_a_name_deleted_while_open_for_writing_is_free_in_the_lake_at_once(fs, tmp_path):
+    """The open handle has all the bytes locally, so the deleted name's object
+    goes now, not at the last close: on a local-directory lake a directory of
+    that name could not be made while it stood (fsx found this)."""
+    fh, inode = await fs.create(ROOT_INO, b"x", 0o644, os.O_RDWR, 0, 0)
+    await fs.write(fh, 0, b"first")
+    fs.release(fh)
+    await _sync_all(fs)
+    fh, _ = await fs.open(inode.ino, os.O_RDWR, 0)
+    await fs.write(fh, 5, b" second")
+    await fs.unlink(ROOT_INO, b"x")
+    directory = await fs.mkdir(ROOT_INO, b"x", 0o755, 0, 0)
+    child, _ = await fs.create(directory.ino, b"y", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(child, 0, b"inside")
+    fs.release(child)
+    await _sync_all(fs)  # while the deleted file is still open
+    assert (tmp_path / "lake" / "x" / "y").read_bytes() == b"inside"
+    assert bytes(await fs.read(fh, 0, 100)) == b"first second"
+    fs.release(fh)

@@ -149,8 +149,9 @@ def test_a_store_of_an_unknown_schema_is_refused_and_kept(tmp_path):
     path = tmp_path / "meta"
     MetaStore(path).close()
     env = lmdb.open(str(path), max_dbs=20)
+    sys_db = env.open_db(b"sys")  # opened outside the write transaction, which it would wait on
     with env.begin(write=True) as txn:
-        txn.put(b"schema", b"99", db=env.open_db(b"sys"))
+        txn.put(b"schema", b"99", db=sys_db)
     env.close()
     with pytest.raises(SchemaError, match="schema 99"):
         MetaStore(path)

@@ -30,7 +30,7 @@ from aifs.flush.packer import Packer
 from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.objattrs import to_metadata
-from aifs.meta.packindex import PackedEntry, deletion
+from aifs.meta.packindex import PackedEntry, deletion, is_packed_at
 from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Host(Protocol):
     def promotable(self, ino: int, force: bool) -> Inode | None: ...
     def packable(self, inode: Inode) -> bool: ...
     def change_count(self, ino: int) -> int: ...
-    def is_open(self, ino: int) -> bool: ...
+    def reads_lake(self, ino: int) -> bool: ...
     def promoted(self, ino: int, inode: Inode) -> None: ...
     def wait_before_promoting(self, inode: Inode, force: bool) -> float: ...
     def may_delete(self, key: str) -> bool: ...
@@ -299,11 +299,12 @@ class Promoter:
             await self._copy_to_links(inode)
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
-            # Renamed or deleted while it uploaded: what landed under the old
-            # key belongs to no one (unless a new file took the name).
-            if self.meta.owner_of(key) is None:
-                self.meta.add_tombstone(key)
-                self.tombstones_changed()
+            # Renamed, deleted or replaced while it uploaded: what landed under
+            # the old key is no one's. Its tombstone goes at once if no file has
+            # the name; a file that took the name either overwrites it with an
+            # upload of its own (the tombstone is dropped) or is packed, and
+            # then deletes it (its etag says an object may be there).
+            self._landed_stale(key)
             if current is not None and not current.orphan:
                 self.schedule(ino, 0.0)
             return False
@@ -322,7 +323,8 @@ class Promoter:
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
-            if inode.packed:
+            if inode.packed or self.packer.index.entry(key) is not None:
+                # its packed copy, or one of a file this one replaced
                 self.packer.queue_records([deletion(key)])
         settled = self.meta.settle(ino, key, done, **fields)
         if settled is None:
@@ -339,8 +341,14 @@ class Promoter:
         settles an upload)."""
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
-            if self.meta.owner_of(key) is None:  # renamed or deleted meanwhile
-                self.packer.queue_records([deletion(key)])
+            # Renamed, deleted or replaced while its pack was on the way: the
+            # record names bytes that are no one's now. Its deletion is stamped
+            # just after it, so that the record of a file that took the name
+            # since (packed later, so stamped later) still wins.
+            owner = self.meta.owner_of(key)
+            holder = self.meta.get(owner) if owner is not None else None
+            if holder is None or not is_packed_at(holder, entry):
+                self.packer.queue_records([deletion(key, entry.stamp + 1)])
             if current is not None and not current.orphan:
                 self.schedule(ino, 0.0)
             return
@@ -364,6 +372,16 @@ class Promoter:
         self._unpark()
         self._changed()
 
+    def _landed_stale(self, key: str) -> None:
+        """An object landed under ``key`` for a file that no longer has it."""
+        self.meta.add_tombstone(key)
+        owner = self.meta.owner_of(key)
+        if owner is not None:
+            holder = self.meta.get(owner)
+            if holder is not None and not holder.etag:
+                self.meta.update(owner, etag=MAYBE_IN_LAKE)
+        self.tombstones_changed()
+
     def change_count(self, ino: int) -> int:
         return self.host.change_count(ino)
 
@@ -373,9 +391,7 @@ class Promoter:
         info = await self._put(inode.key, content, to_metadata(inode, self.uid, self.gid))
         current = self.meta.get(inode.ino)
         if current is None or current.orphan or current.key != inode.key:
-            if self.meta.owner_of(inode.key) is None:
-                self.meta.add_tombstone(inode.key)
-                self.tombstones_changed()
+            self._landed_stale(inode.key)
             return True
         self.meta.update(inode.ino, etag=info.etag)  # a delete now removes it too
         self.host.marker_version_published(inode.ino, seq)
@@ -561,7 +577,7 @@ class Promoter:
                                           and not owner_inode.pending & DATA):
                 self.meta.drop_tombstone(key)  # a live inode's upload replaces it
                 continue
-            if tombs[key] and self.host.is_open(tombs[key]):
+            if tombs[key] and self.host.reads_lake(tombs[key]):
                 deferred = True  # still read through an open handle
                 continue
             if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
@@ -620,7 +636,7 @@ class Promoter:
 
     def _blocked_tombstones(self, tombs: dict[str, int]) -> set[str]:
         """Deletes that wait for a handle to close (and markers above them)."""
-        blocked = {key for key, ino in tombs.items() if ino and self.host.is_open(ino)}
+        blocked = {key for key, ino in tombs.items() if ino and self.host.reads_lake(ino)}
         return blocked | {key for key in tombs if key.endswith("/")
                           and any(b.startswith(key) for b in blocked)}
 

@@ -40,7 +40,15 @@ from typing import Any
 import lmdb
 import xxhash
 
-from aifs.meta.store import MetaStore, compact_json, is_hashed, key_bytes, scan_prefix, u64
+from aifs.meta.store import (
+    Inode,
+    MetaStore,
+    compact_json,
+    is_hashed,
+    key_bytes,
+    scan_prefix,
+    u64,
+)
 
 PACK_DIR = ".aifs/packs/"
 JOURNAL_DIR = ".aifs/journal/"
@@ -205,6 +213,11 @@ def decode_journal(raw: bytes) -> list[Record]:
 
 def _member(pack: str, offset: int) -> bytes:
     return pack.encode() + b"\0" + u64(offset)
+
+
+def is_packed_at(inode: Inode, entry: PackedEntry) -> bool:
+    """Whether ``entry`` is the packed copy ``inode`` knows as its own."""
+    return bool(inode.pack) and inode.pack == entry.pack and inode.pack_offset == entry.offset
 
 
 class PackIndex:

@@ -42,6 +42,26 @@ def test_open_flags(sides):
     both(sides, case)
 
 
+def test_read_only_open_with_o_trunc_truncates(sides):
+    """Linux truncates on O_RDONLY|O_TRUNC (POSIX leaves it open); the handle
+    still cannot write. Found by the fsx random-operation test."""
+    def case(root: Path):
+        (root / "f").write_bytes(b"x" * 5000)
+        fd = os.open(root / "f", os.O_RDONLY | os.O_TRUNC)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                os.write(fd, b"y")
+                wrote = "wrote"
+            except OSError as exc:
+                wrote = exc.errno
+            read = os.pread(fd, 10, 0)
+        finally:
+            os.close(fd)
+        return size, wrote, read, os.stat(root / "f").st_size
+    both(sides, case)
+
+
 def test_writes_at_offsets_and_past_eof(sides):
     def case(root: Path):
         fd = os.open(root / "f", os.O_RDWR | os.O_CREAT, 0o644)

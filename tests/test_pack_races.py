@@ -1,0 +1,157 @@
+"""Packed files renamed, replaced or deleted while their pack is on the way to
+the lake (core.Filesystem driven directly over a real local lake, the pack's
+PUT held at a gate). Found by the fsx random-operation test: a file replaced by
+a rename while its pack was in flight came back, under a later name, with the
+replaced bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+from conftest import Lake, lake_tree
+
+from aifs.cache.blocks import BlockCache
+from aifs.cache.files import LocalFiles
+from aifs.config import Config
+from aifs.core import Filesystem
+from aifs.lake.local import LocalStore
+from aifs.meta.packindex import JOURNAL_DIR, PACK_DIR
+from aifs.meta.store import ROOT_INO, MetaStore
+
+MiB = 1 << 20
+
+
+class GatedStore(LocalStore):
+    """A real local lake whose pack PUTs (or those ``holds`` picks) wait at a
+    gate once it is closed:
+    ``let_through(n)`` lets n more pass, ``open()`` all."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.holds = lambda key: key.startswith(PACK_DIR)  # which PUTs the gate holds
+        self.closed = False
+        self.entered = trio.Event()
+        self.tickets = 0
+        self.changed = trio.Event()
+        self.journals = 0
+
+    async def put(self, key, data, metadata=None):
+        if self.closed and self.holds(key):
+            self.entered.set()
+            while self.closed and not self.tickets:
+                await self.changed.wait()
+            self.tickets = max(0, self.tickets - 1)
+        info = await super().put(key, data, metadata)
+        if key.startswith(JOURNAL_DIR):
+            self.journals += 1
+        return info
+
+    def _poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def let_through(self, count: int) -> None:
+        self.tickets += count
+        self._poke()
+
+    def open(self) -> None:
+        self.closed = False
+        self._poke()
+
+
+@pytest.fixture
+async def fs(tmp_path, nursery):
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=60, promote_delay=0, pack_wait=0.05)
+    store = GatedStore(str(tmp_path / "lake"))
+    filesystem = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                            BlockCache(tmp_path / "cache", config.cache_size),
+                            LocalFiles(tmp_path / "cache"))
+    filesystem.start(nursery)
+    filesystem.gate = store  # type: ignore[attr-defined] (fs.store wraps it)
+    return filesystem
+
+
+async def _write(fs, name: bytes, data: bytes) -> int:
+    fh, inode = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, data)
+    fs.release(fh)
+    return inode.ino
+
+
+async def _sync(fs) -> None:
+    with trio.fail_after(30):
+        await fs.sync(ROOT_INO)
+
+
+def _lake_files(tmp_path) -> dict[str, bytes]:
+    lake = Lake("local", f"file://{tmp_path}/lake", {}, [], root=tmp_path / "lake")
+    return lake_tree(lake)[0]
+
+
+async def _pack_in_flight(fs, files: dict[bytes, bytes]) -> None:
+    fs.gate.closed = True
+    for name, data in files.items():
+        await _write(fs, name, data)
+    with trio.fail_after(30):
+        await fs.gate.entered.wait()  # the pack holds these files under their names
+
+
+async def _journal_landed(fs, count: int) -> None:
+    with trio.fail_after(30):
+        while fs.gate.journals < count:
+            await trio.sleep(0.01)
+
+
+async def test_a_file_replaced_while_its_pack_is_in_flight_stays_replaced(fs, tmp_path):
+    await _pack_in_flight(fs, {b"a": b"old a" * 100, b"b": b"new b" * 100})
+    await fs.rename(ROOT_INO, b"b", ROOT_INO, b"a", 0)
+    fh, _ = await fs.open((await fs.lookup(ROOT_INO, b"a")).ino, os.O_WRONLY, 0)
+    await fs.write(fh, 0, b"x" * (2 * MiB))  # past the pack threshold: an object next
+    fs.release(fh)
+    fs.gate.open()
+    await _journal_landed(fs, 1)  # its records name the replaced bytes "a"
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"a": b"x" * (2 * MiB)}
+    await fs.rename(ROOT_INO, b"a", ROOT_INO, b"c", 0)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"c": b"x" * (2 * MiB)}
+    await fs.unlink(ROOT_INO, b"c")
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {}
+
+
+async def test_a_file_renamed_or_deleted_while_its_pack_is_in_flight(fs, tmp_path):
+    await _pack_in_flight(fs, {b"a": b"a" * 300, b"b": b"b" * 200, b"c": b"c" * 100})
+    await fs.rename(ROOT_INO, b"a", ROOT_INO, b"moved", 0)
+    await fs.unlink(ROOT_INO, b"b")
+    await _write(fs, b"b", b"another b")  # the name taken again, by a new file
+    fs.gate.let_through(1)
+    await _journal_landed(fs, 1)
+    await fs.rename(ROOT_INO, b"b", ROOT_INO, b"d", 0)
+    await fs.rename(ROOT_INO, b"moved", ROOT_INO, b"e", 0)
+    fs.gate.open()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"e": b"a" * 300, "d": b"another b", "c": b"c" * 100}
+
+
+async def test_a_file_replaced_while_its_object_is_in_flight_leaves_no_object(fs, tmp_path):
+    """The replaced file's upload lands after the rename; the file that took
+    the name is packed: the stray object is deleted, never shown or moved."""
+    fs.gate.holds = lambda key: key == "a"
+    fs.gate.closed = True
+    await _write(fs, b"a", b"A" * (2 * MiB))  # an object of its own
+    with trio.fail_after(30):
+        await fs.gate.entered.wait()
+    await _write(fs, b"b", b"small b")
+    await fs.rename(ROOT_INO, b"b", ROOT_INO, b"a", 0)
+    fs.gate.open()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"a": b"small b"}
+    await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+    await fs.rename(ROOT_INO, b"a", (await fs.lookup(ROOT_INO, b"d")).ino, b"a", 0)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"d/a": b"small b"}
