@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _mount(args: argparse.Namespace) -> int:
     from aifs.config import default_lake_url, load_config
-    from aifs.daemon import check_mountpoint, serve, setup_logging
+    from aifs.daemon import check_mountpoint, serve, setup_logging, wants_nonempty
 
     if len(args.targets) > 2:
         raise ConfigError("expected [LAKE_URL] MOUNTPOINT")
@@ -151,7 +151,8 @@ def _mount(args: argparse.Namespace) -> int:
     if not config.lake and not lake:
         # The embedded default works with no configuration: create it.
         os.makedirs(default_lake_url()[len("file://"):], exist_ok=True)
-    check_mountpoint(config.mountpoint, clear_dead=args.clear_dead_mount)
+    check_mountpoint(config.mountpoint, clear_dead=args.clear_dead_mount,
+                     nonempty=wants_nonempty(config))
 
     if config.foreground:
         setup_logging(config.log_level, config.log_file or None, config.log_format)

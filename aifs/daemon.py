@@ -105,6 +105,9 @@ def sd_notify(message: str) -> None:
             log.warning("sd_notify failed: %s", exc)
 
 
+NONEMPTY = "nonempty"
+
+
 def mount_type(mountpoint: str) -> str | None:
     """The filesystem type mounted on ``mountpoint`` (from /proc/self/mountinfo)."""
     target = os.path.abspath(mountpoint)
@@ -137,9 +140,12 @@ def clear_dead_mount(mountpoint: str) -> None:
     log.warning("cleared a dead aifs mount on %s (its daemon had exited)", mountpoint)
 
 
-def check_mountpoint(mountpoint: str, clear_dead: bool = False) -> None:
+def check_mountpoint(mountpoint: str, clear_dead: bool = False,
+                     nonempty: bool = False) -> None:
     """Catch the usual mistakes before doing any work; with ``clear_dead`` a
-    dead aifs mount (its daemon killed) is detached instead of refused."""
+    dead aifs mount (its daemon killed) is detached instead of refused. A
+    directory with files in it is refused unless ``nonempty`` (-o nonempty):
+    the mount would hide them, which is seldom what anyone meant."""
     dead = (f"{mountpoint} is a dead mount (its daemon is gone): run 'aifs umount "
             f"{mountpoint}' first")
     try:
@@ -152,7 +158,7 @@ def check_mountpoint(mountpoint: str, clear_dead: bool = False) -> None:
         if not clear_dead:
             raise ConfigError(dead) from None
         clear_dead_mount(mountpoint)
-        return check_mountpoint(mountpoint)
+        return check_mountpoint(mountpoint, nonempty=nonempty)
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
@@ -163,8 +169,17 @@ def check_mountpoint(mountpoint: str, clear_dead: bool = False) -> None:
                 if not clear_dead:
                     raise ConfigError(dead) from None
                 clear_dead_mount(mountpoint)
-                return check_mountpoint(mountpoint)
+                return check_mountpoint(mountpoint, nonempty=nonempty)
         raise ConfigError(f"mountpoint {mountpoint} is busy: something is mounted there")
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as entries:
+                occupied = next(entries, None) is not None
+        except OSError as exc:
+            raise ConfigError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+        if occupied:
+            raise ConfigError(f"mountpoint {mountpoint} is not empty: the mount would hide "
+                              "its files (empty it, or mount with -o nonempty)")
     if not os.path.exists("/dev/fuse"):
         raise ConfigError("/dev/fuse is missing: load the fuse module (modprobe fuse) "
                           "or give the container the device")
@@ -193,9 +208,15 @@ def mount_options(config: Config) -> set[str]:
         options.add("allow_other")
     for opt in config.fuse_options:
         for part in opt.split(","):
-            if part.strip():
+            if part.strip() and part.strip() != NONEMPTY:  # ours: libfuse 3 has none
                 options.add(part.strip())
     return options
+
+
+def wants_nonempty(config: Config) -> bool:
+    """Whether -o nonempty allows a mountpoint that has files in it."""
+    return any(part.strip() == NONEMPTY for opt in config.fuse_options
+               for part in opt.split(","))
 
 
 def serve(config: Config, ready_fd: int | None = None) -> int:

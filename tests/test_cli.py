@@ -66,6 +66,26 @@ def test_cache_dir_in_use(lake, mounter, aifs_cli, tmp_path):
     assert not os.path.ismount(tmp_path / "second")
 
 
+def test_a_mountpoint_with_files_is_refused_unless_nonempty(aifs_cli, tmp_path):
+    (tmp_path / "lake").mkdir()
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "mine.txt").write_text("keep me")
+    args = ("mount", f"file://{tmp_path}/lake", str(tmp_path / "mnt"),
+            "--cache-dir", str(tmp_path / "c"))
+    line = _one_clear_line(aifs_cli(*args))
+    assert "not empty" in line and "-o nonempty" in line
+    assert not os.path.ismount(tmp_path / "mnt")
+    assert (tmp_path / "mnt" / "mine.txt").read_text() == "keep me"
+    result = aifs_cli(*args, "-o", "nonempty")
+    assert result.returncode == 0, result.stderr
+    try:
+        assert os.path.ismount(tmp_path / "mnt")
+        assert os.listdir(tmp_path / "mnt") == []  # the lake's view, hiding the file
+    finally:
+        assert aifs_cli("umount", str(tmp_path / "mnt")).returncode == 0
+    assert (tmp_path / "mnt" / "mine.txt").read_text() == "keep me"
+
+
 def test_missing_local_lake(aifs_cli, tmp_path):
     (tmp_path / "mnt").mkdir()
     line = _one_clear_line(aifs_cli("mount", f"file://{tmp_path}/no-lake",
