@@ -220,8 +220,11 @@ class Promoter:
             # else: deleted while it uploaded; its local copy went with it
         except Exception as exc:  # a bug must not end the promotion loop
             log.exception("promotion of inode %d failed", ino)
-            self._failures[ino] = (1, repr(exc), trio.current_time())
-            self.schedule(ino, 30.0)
+            # counted like a lake error, so that a sync (and an unmount) gives up
+            # on it instead of waiting for ever
+            count = self._failures.get(ino, (0, "", 0.0))[0] + 1
+            self._failures[ino] = (count, repr(exc), trio.current_time())
+            self.schedule(ino, min(30.0, 2.0 ** count))
         finally:
             self._active.discard(ino)
             self._deciding.discard(ino)
@@ -323,7 +326,7 @@ class Promoter:
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
-            if inode.packed or self.packer.index.entry(key) is not None:
+            if inode.packed or inode.kind == FILE and self.packer.index.entry(key) is not None:
                 # its packed copy, or one of a file this one replaced
                 self.packer.queue_records([deletion(key)])
         settled = self.meta.settle(ino, key, done, **fields)

@@ -233,6 +233,8 @@ class PackIndex:
 
     # -- reads ----------------------------------------------------------------
     def entry(self, key: str) -> PackedEntry | None:
+        if not key:
+            return None  # the root: never packed (and LMDB has no empty keys)
         with self.env.begin() as txn:
             raw = txn.get(key_bytes(key), db=self.entries)
         if raw is None:
