@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--pack-wait", type=float, help="seconds")
     mount.add_argument("--pack-compact-below", type=float, help="live share, 0 to 1")
     mount.add_argument("--pack-gc-grace", type=float, help="seconds")
+    mount.add_argument("--stale-upload-age", type=float, help="seconds")
     mount.add_argument("--fsync", choices=["local", "lake"])
     mount.add_argument("--direct-writes", choices=["true", "false"])
     mount.add_argument("--object-attrs", choices=["true", "false"])
@@ -137,6 +138,7 @@ def _mount(args: argparse.Namespace) -> int:
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
         "direct_writes",
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
+        "stale_upload_age",
         "object_attrs", "policy_rules", "staging_hold", "checkpoint_keep",
         "stream_checkpoints", "stream_large_files", "stream_parts_in_flight",
         "metrics_port", "metrics_address",
@@ -469,7 +471,8 @@ def _gc(path: str) -> int:
     print(f"aifs gc: {result['packs_compacted']} packs compacted "
           f"({result['entries_moved']} files moved), {result['packs_deleted']} packs "
           f"deleted, {_size(result['bytes_reclaimed'])} reclaimed, "
-          f"{result['journals_folded']} journals folded into one")
+          f"{result['journals_folded']} journals folded into one, "
+          f"{result['uploads_aborted']} stale multipart uploads aborted")
     if result["corrupt"]:
         print(f"aifs gc: {len(result['corrupt'])} damaged files left in place (see the "
               "mount's log)", file=sys.stderr)

@@ -100,6 +100,10 @@ class Config:
     pack_compact_below: float = _option(0.5, "Packs whose live share falls below this are "
                                         "rewritten without their dead bytes (compaction).",
                                         "float")
+    stale_upload_age: float = _option(86400.0, "Seconds after which an unfinished multipart "
+                                      "upload that no mount of this cache owns is aborted, "
+                                      "at mount and by aifs gc (one whose creation reply "
+                                      "was lost, or left by a lost node).", "float")
     pack_gc_grace: float = _option(3600.0, "Seconds a pack nothing refers to any more is kept "
                                    "before it is deleted, so nodes that have not yet read "
                                    "the newest journals can still read from it.", "float")
@@ -231,9 +235,9 @@ class Config:
             raise ConfigError("pack_threshold must not be negative; pack_size must be at "
                               "least 1M")
         if not 0 <= self.pack_compact_below <= 1 or self.pack_wait < 0 \
-                or self.pack_gc_grace < 0:
+                or self.pack_gc_grace < 0 or self.stale_upload_age < 0:
             raise ConfigError("pack_compact_below must be between 0 and 1; pack_wait and "
-                              "pack_gc_grace must not be negative")
+                              "pack_gc_grace and stale_upload_age must not be negative")
 
 
 def option_fields() -> list[dataclasses.Field]:

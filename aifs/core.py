@@ -1566,7 +1566,9 @@ class Filesystem:
         if name == WARMUP_XATTR:
             result: dict[str, object] = dict(await self.warm(ino))
         elif name == GC_XATTR:
-            result = dataclasses.asdict(await self.compactor.gc())
+            upkeep = await self.compactor.gc()
+            upkeep.uploads_aborted = await self.promoter.abort_stale_uploads()
+            result = dataclasses.asdict(upkeep)
         else:
             result = dataclasses.asdict(await self.pack_tree(ino))
         value = json.dumps(result).encode().ljust(129)  # never fits a 128-byte probe

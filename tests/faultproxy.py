@@ -42,6 +42,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.rate = rate
         self.kinds = kinds
+        self.seed = seed
         self.random = random.Random(seed)
         self.lock = threading.Lock()
         self.faults: collections.Counter[str] = collections.Counter()

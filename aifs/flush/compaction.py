@@ -68,6 +68,7 @@ class Upkeep:
     bytes_packed: int = 0
     files_total: int = 0
     journals_folded: int = 0
+    uploads_aborted: int = 0
     corrupt: list[str] = field(default_factory=list)
 
 

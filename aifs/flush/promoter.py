@@ -150,6 +150,10 @@ class Promoter:
     async def run(self) -> None:
         """The promotion loop (runs until cancelled)."""
         await self._abort_leftover_uploads()
+        try:
+            await self.abort_stale_uploads()
+        except LakeError as exc:
+            log.warning("cannot look for stale multipart uploads: %s", exc)
         for inode in self.meta.pending_inodes():
             self.schedule(inode.ino, 0.0)
         async with trio.open_nursery() as nursery:
@@ -528,6 +532,23 @@ class Promoter:
         if current.etag != expected:
             log.warning("%s changed in the lake since this node read it; this node's "
                         "version replaces it", inode.key)
+
+    async def abort_stale_uploads(self) -> int:
+        """Abort the unfinished multipart uploads in the lake that this cache
+        does not own and that started ``stale_upload_age`` seconds ago or more
+        (an upload whose creation reply was lost, one a lost node left);
+        return how many. They would cost storage for ever on a real cloud."""
+        ours = {upload_id for _, _, upload_id, _ in self.meta.uploads_in_progress()}
+        now = time.time()
+        aborted = 0
+        for key, upload_id, started in await self.store.list_uploads(""):
+            if upload_id in ours or now - started < self.config.stale_upload_age:
+                continue
+            await self.store.abort_multipart(key, upload_id)
+            log.info("aborted a stale multipart upload of %s (started %.0f s ago)",
+                     key, now - started)
+            aborted += 1
+        return aborted
 
     async def _abort_leftover_uploads(self) -> None:
         """Abort the multipart uploads an earlier run left unfinished, those it

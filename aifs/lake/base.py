@@ -72,8 +72,14 @@ class ObjectStore(abc.ABC):
     async def abort_multipart(self, key: str, upload_id: str) -> None: ...
 
     @abc.abstractmethod
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """Unfinished multipart uploads of keys starting with ``prefix``:
+        (key, upload id, started)."""
+
     async def list_multipart(self, key: str) -> list[tuple[str, float]]:
         """Unfinished multipart uploads of exactly ``key``: (upload id, started)."""
+        return [(upload, started) for found, upload, started in await self.list_uploads(key)
+                if found == key]
 
     @abc.abstractmethod
     async def list_page(self, prefix: str, delimiter: str | None = "/",

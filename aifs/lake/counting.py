@@ -94,9 +94,9 @@ class CountingStore(ObjectStore):
         await self._count("AbortMultipartUpload",
                           lambda: self.inner.abort_multipart(key, upload_id))
 
-    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         return await self._count("ListMultipartUploads",
-                                 lambda: self.inner.list_multipart(key))
+                                 lambda: self.inner.list_uploads(prefix))
 
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:

@@ -239,18 +239,19 @@ class LocalStore(ObjectStore):
         staging = self._staging(upload_id)
         await self._run(shutil.rmtree, staging, True)
 
-    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         staging_root = os.path.join(self.root, STAGING)
 
-        def do() -> list[tuple[str, float]]:
+        def do() -> list[tuple[str, str, float]]:
             found = []
             for entry in os.scandir(staging_root) if os.path.isdir(staging_root) else []:
                 if not entry.name.isalnum():
                     continue  # one being created
                 try:
                     with open(os.path.join(entry.path, "key")) as fp:
-                        if fp.read() == key:
-                            found.append((entry.name, entry.stat().st_mtime))
+                        key = fp.read()
+                    if key.startswith(prefix):
+                        found.append((key, entry.name, entry.stat().st_mtime))
                 except FileNotFoundError:
                     continue
             return found

@@ -8,6 +8,7 @@ with backoff happens once, in :mod:`aifs.lake.retry`.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 import trio
+import urllib3.exceptions
 
 from aifs.errors import (
     AccessDenied,
@@ -119,6 +121,12 @@ class S3Store(ObjectStore):
                 return fn()
             except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
                 raise self._translate(exc, what) from None
+            except (urllib3.exceptions.HTTPError, http.client.HTTPException,
+                    ConnectionError, TimeoutError) as exc:
+                # a connection broken where botocore does not wrap it (a body read)
+                raise LakeUnavailable(f"{what}: connection to "
+                                      f"{self.client.meta.endpoint_url} broken: "
+                                      f"{type(exc).__name__}") from None
 
         async def attempt() -> T:
             return await trio.to_thread.run_sync(guarded, limiter=self.limiter)
@@ -164,8 +172,15 @@ class S3Store(ObjectStore):
                 if exc.response.get("Error", {}).get("Code") == "InvalidRange":
                     return b""
                 raise
-            with resp["Body"] as body:
-                return body.read()
+            body = resp["Body"]  # botocore's StreamingBody: read through it, not
+            try:                 # its urllib3 stream ("with" gives that one)
+                data = body.read()
+            finally:
+                body.close()
+            if len(data) != resp["ContentLength"]:  # a cut body is an error, never data
+                raise botocore.exceptions.IncompleteReadError(
+                    actual_bytes=len(data), expected_bytes=resp["ContentLength"])
+            return data
         return await self._call(f"GET {key}", do)
 
     async def put(self, key: str, data: bytes,
@@ -177,11 +192,31 @@ class S3Store(ObjectStore):
 
     async def create_multipart(self, key: str,
                                metadata: dict[str, str] | None = None) -> str:
-        resp = await self._call(f"create multipart {key}",
-                                lambda: self.client.create_multipart_upload(
-                                    Bucket=self.bucket, Key=self._k(key),
-                                    Metadata=metadata or {}))
-        return resp["UploadId"]
+        attempts = 0
+
+        def create() -> dict[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            return self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=self._k(key), Metadata=metadata or {})
+        upload_id = (await self._call(f"create multipart {key}", create))["UploadId"]
+        if attempts > 1:
+            await self._abort_lost_creates(key, upload_id)
+        return upload_id
+
+    async def _abort_lost_creates(self, key: str, kept: str) -> None:
+        """A create was tried again: the server may have started an upload for
+        an earlier try whose reply was lost. Those uploads belong to no one:
+        aborted now (an upload of the same key by another writer at this very
+        moment would go too; that writer's upload fails and is retried). What
+        cannot be aborted now, ``aifs gc`` and the next mount sweep up."""
+        try:
+            for upload_id, _ in await self.list_multipart(key):
+                if upload_id != kept:
+                    await self.abort_multipart(key, upload_id)
+                    log.info("aborted an upload of %s whose creation reply was lost", key)
+        except LakeError as exc:
+            log.warning("cannot look for lost uploads of %s: %s", key, exc)
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
                           data: bytes) -> str:
@@ -208,12 +243,20 @@ class S3Store(ObjectStore):
         except ObjectNotFound:
             pass
 
-    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
-        resp = await self._call(f"list uploads of {key}",
-                                lambda: self.client.list_multipart_uploads(
-                                    Bucket=self.bucket, Prefix=self._k(key)))
-        return [(u["UploadId"], u["Initiated"].timestamp())
-                for u in resp.get("Uploads", []) if u["Key"] == self._k(key)]
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        found: list[tuple[str, str, float]] = []
+        marks: dict[str, str] = {}
+        cut = len(self.prefix)
+        while True:
+            args = {"Bucket": self.bucket, "Prefix": self._k(prefix), **marks}
+            resp = await self._call(f"list uploads of {prefix or '/'}",
+                                    lambda a=args: self.client.list_multipart_uploads(**a))
+            found += [(u["Key"][cut:], u["UploadId"], u["Initiated"].timestamp())
+                      for u in resp.get("Uploads", [])]
+            if not resp.get("IsTruncated"):
+                return found
+            marks = {"KeyMarker": resp.get("NextKeyMarker", ""),
+                     "UploadIdMarker": resp.get("NextUploadIdMarker", "")}
 
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
