@@ -59,6 +59,7 @@ class Stream:
         self.in_flight = 0  # parts being sent
         self.version = -1  # the file's change count when sealed
         self.broken = ""
+        self.completing = False  # finish() owns the upload now: nothing else aborts it
         self.upload_id = ""
         self.parts: list[tuple[int, str]] = []
         self.finished = trio.Event()
@@ -161,7 +162,11 @@ class Streams:
         if stream is None:
             return
         stream.break_(why)
-        if stream.finished.is_set():  # every part was sent: nobody else aborts it
+        if stream.finished.is_set() and not stream.completing:
+            # every part was sent and no completion is under way: nobody else
+            # aborts it. (A completion under way finishes; the promoter then sees
+            # the file changed and deletes or replaces what landed. An abort now
+            # would race the CompleteMultipartUpload of the same upload.)
             del self._streams[ino]
             if self._nursery is not None:
                 self._nursery.start_soon(self._abort, stream)
@@ -190,6 +195,7 @@ class Streams:
                 await self._abort(stream)  # if it broke after its last part
                 return None
             parts = sorted(stream.parts)
+            stream.completing = True
             info = await self.store.complete_multipart(stream.key, stream.upload_id, parts)
             self.completed += 1
             self.meta.record_upload(ino, stream.key, None)

@@ -228,11 +228,26 @@ class S3Store(ObjectStore):
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
-        await self._call(f"complete multipart {key}",
-                         lambda: self.client.complete_multipart_upload(
-                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
-                             MultipartUpload={"Parts": [
-                                 {"PartNumber": n, "ETag": e} for n, e in sorted(parts)]}))
+        attempts = 0
+
+        def complete() -> dict[str, Any]:
+            nonlocal attempts
+            attempts += 1
+            return self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
+                MultipartUpload={"Parts": [
+                    {"PartNumber": n, "ETag": e} for n, e in sorted(parts)]})
+        try:
+            await self._call(f"complete multipart {key}", complete)
+        except ObjectNotFound:
+            # Tried again after a lost reply, the upload is gone: it completed
+            # if the object there is a multipart one of as many parts.
+            if attempts < 2:
+                raise
+            info = await self.head(key)
+            if not info.etag.strip('"').endswith(f"-{len(parts)}"):
+                raise
+            return info
         return await self.head(key)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:

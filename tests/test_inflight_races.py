@@ -1,8 +1,8 @@
-"""Packed files renamed, replaced or deleted while their pack is on the way to
-the lake (core.Filesystem driven directly over a real local lake, the pack's
-PUT held at a gate). Found by the fsx random-operation test: a file replaced by
-a rename while its pack was in flight came back, under a later name, with the
-replaced bytes."""
+"""Files renamed, replaced, deleted or truncated while their pack, upload or
+streamed upload is on the way to the lake (core.Filesystem driven directly over
+a real local lake, the request held at a gate). Found by the fsx random-operation
+test: a file replaced by a rename while its pack was in flight came back, under a
+later name, with the replaced bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from conftest import Lake, lake_tree
 from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.core import Filesystem
+from aifs.core import Filesystem, SetAttributes
 from aifs.lake.local import LocalStore
 from aifs.meta.packindex import JOURNAL_DIR, PACK_DIR
 from aifs.meta.store import ROOT_INO, MetaStore
@@ -47,6 +47,25 @@ class GatedStore(LocalStore):
         if key.startswith(JOURNAL_DIR):
             self.journals += 1
         return info
+
+    completing = 0  # CompleteMultipartUpload calls under way
+    overlaps = 0  # aborts sent while one was
+
+    async def complete_multipart(self, key, upload_id, parts):
+        self.completing += 1
+        try:
+            if self.closed and self.holds(key):
+                self.entered.set()
+                while self.closed:
+                    await self.changed.wait()
+            return await super().complete_multipart(key, upload_id, parts)
+        finally:
+            self.completing -= 1
+
+    async def abort_multipart(self, key, upload_id):
+        if self.completing:
+            self.overlaps += 1
+        return await super().abort_multipart(key, upload_id)
 
     def _poke(self) -> None:
         self.changed.set()
@@ -155,3 +174,32 @@ async def test_a_file_replaced_while_its_object_is_in_flight_leaves_no_object(fs
     await fs.rename(ROOT_INO, b"a", (await fs.lookup(ROOT_INO, b"d")).ino, b"a", 0)
     await _sync(fs)
     assert _lake_files(tmp_path) == {"d/a": b"small b"}
+
+
+async def test_a_streamed_file_truncated_while_its_upload_completes(tmp_path, nursery):
+    """The completion owns the upload: a truncate then does not send an abort
+    beside the CompleteMultipartUpload; the truncated file replaces what landed."""
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=60, promote_delay=0, multipart_threshold=5 * MiB,
+                    part_size=5 * MiB, stream_large_files="true")
+    store = GatedStore(str(tmp_path / "lake"))
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    store.holds = lambda key: key == "big"
+    store.closed = True  # completions of "big" wait at the gate
+    fh, inode = await fs.create(ROOT_INO, b"big", 0o644, os.O_WRONLY, 0, 0)
+    for offset in range(0, 12 * MiB, MiB):
+        await fs.write(fh, offset, b"s" * MiB)
+    fs.release(fh)
+    with trio.fail_after(30):
+        await store.entered.wait()  # its completion is under way
+    await fs.setattr(inode.ino, SetAttributes(size=1000))
+    await trio.sleep(0.2)  # an abort, if one were sent, would be sent now
+    store.open()
+    with trio.fail_after(60):
+        await fs.sync(ROOT_INO)
+    assert store.overlaps == 0
+    assert _lake_files(tmp_path) == {"big": b"s" * 1000}
