@@ -334,7 +334,7 @@ def status_lines(root: str, m: dict) -> list[str]:
     used = tiers["blocks"] + tiers["files"]
     requests = ", ".join(f"{_OPS.get(op, op)} {n}" for op, n in lake["requests"].items() if n)
     policies = ", ".join(f"{p} {_size(n)}" for p, n in cache["by_policy"].items()) or "-"
-    return [
+    lines = [
         f"mount      {root} <- {m['lake_url']} (pid {m['pid']}, up {_duration(m['uptime_s'])})",
         f"cache      {_size(used)} of {_size(cache['capacity_bytes'])} on disk "
         f"(blocks {_size(tiers['blocks'])}, files {_size(tiers['files'])}, "
@@ -359,6 +359,11 @@ def status_lines(root: str, m: dict) -> list[str]:
         f"{_size(rate['lake_read_bytes_per_s'])}/s, out "
         f"{_size(rate['lake_written_bytes_per_s'])}/s (last 10s)",
     ]
+    recovered = m.get("recovered", {})
+    if recovered.get("files"):
+        lines.append(f"recovered  {recovered['files']} files written but never closed when "
+                     f"a crash came (not published) are in {recovered['directory']}")
+    return lines
 
 
 def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:

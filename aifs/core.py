@@ -174,6 +174,8 @@ class Filesystem:
         self._written: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime_ns) of writers
         self._unsaved: set[int] = set()  # ... changed since last stored in LMDB
         self._marked_dirty: set[int] = set()  # ... whose DATA flag is set in LMDB
+        self._unclosed: set[int] = set()  # written since their last close or fsync
+        self.recovered_dir = local.root.parent / "recovered"
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
         self._disk = trio.CapacityLimiter(8)
@@ -200,6 +202,7 @@ class Filesystem:
 
     def recover(self) -> None:
         """At mount: reconcile local copies with the metadata after any exit."""
+        self._recover_unclosed()
         for ino in self.meta.purge_orphans():
             self.local.remove(ino)
         pending = {inode.ino: inode for inode in self.meta.pending_inodes()}
@@ -222,6 +225,38 @@ class Filesystem:
         if pending:
             log.info("%d inodes have changes not yet in the lake: promoting them",
                      len(pending))
+
+    def _recover_unclosed(self) -> None:
+        """Files written through a handle and neither closed nor fsynced when
+        the node went down are not published under their names: the lake
+        keeps its last version of each (a half-written checkpoint shard must
+        not replace it), and the bytes written go to the recovery directory,
+        for a person to look at (``aifs status`` says where)."""
+        unclosed = self.meta.unclosed()
+        if not unclosed:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for ino in unclosed:
+            inode = self.meta.get(ino)
+            if inode is not None and self.local.has(ino) and not inode.orphan:
+                target = self.recovered_dir / stamp / (inode.key or str(ino))
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(self.local.path(ino), target)
+                except OSError:  # a key no path here can hold: by inode number
+                    target = self.recovered_dir / stamp / str(ino)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(self.local.path(ino), target)
+                log.warning("%s was open for writing when the node went down: not "
+                            "published; the bytes written are in %s", inode.key, target)
+            self.local.remove(ino)
+            self.meta.unpublish(ino)
+
+    def recovered_files(self) -> int:
+        """How many files the recovery directory holds."""
+        if not self.recovered_dir.is_dir():
+            return 0
+        return sum(len(files) for _, _, files in os.walk(self.recovered_dir))
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
@@ -630,6 +665,8 @@ class Filesystem:
         inode = await self._new_file(parent, name, mode, uid, gid)
         fh = self._open_handle(inode, writable=True)
         self.files[fh].kill_setid = uid != 0
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            self._mark_unclosed(inode.ino)  # a crash before its close: never published
         self._maybe_stream(inode)
         return fh, inode
 
@@ -1121,6 +1158,7 @@ class Filesystem:
         if end > size:
             await self._reserve(end - size)
         written = await self._pwrite(self.local.fd(ino), data, offset)
+        self._mark_unclosed(ino)
         self.write_requests += 1
         self.write_bytes += written
         self.promoter.streams.wrote(ino, offset, written)
@@ -1271,12 +1309,26 @@ class Filesystem:
         handle = self._file(fh)
         if handle.writable:
             self._save_written(handle.ino)
+            self._clear_unclosed(handle.ino)
             self.checkpoints.closed(handle.ino)  # before close() returns: a crash keeps it
+
+    def _mark_unclosed(self, ino: int) -> None:
+        """Written since the last close or fsync: if the node crashes before
+        either, ``recover`` keeps these bytes out of the lake."""
+        if ino not in self._unclosed:
+            self._unclosed.add(ino)
+            self.meta.mark_unclosed(ino)
+
+    def _clear_unclosed(self, ino: int) -> None:
+        if ino in self._unclosed:
+            self._unclosed.discard(ino)
+            self.meta.clear_unclosed(ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         ino = self._file(fh).ino
         self._save_written(ino)
         await trio.to_thread.run_sync(self.local.sync, ino, limiter=self._disk)
+        self._clear_unclosed(ino)
         await trio.to_thread.run_sync(self.meta.sync, limiter=self._disk)
         if self.config.fsync == "lake":
             await self.promoter.sync(lambda inode: inode.ino == ino, None)
@@ -1293,6 +1345,7 @@ class Filesystem:
             else:
                 self._writers.pop(ino, None)
                 self._save_written(ino)
+                self._clear_unclosed(ino)
                 if ino in self._written:
                     self.promoter.streams.closed(ino, self._written[ino][0],
                                                  self.change_count(ino))

@@ -117,6 +117,8 @@ class Metrics:
                 "hit_ratio": round(sum(hits.values()) / served, 4) if served else 0.0,
                 "evictions": fs.cache.evictions + fs.local.evictions,
             },
+            "recovered": {"directory": str(fs.recovered_dir),
+                          "files": fs.recovered_files()},
             "promotion": {
                 "pending_files": queue["files"], "pending_bytes": queue["bytes"],
                 "pending_deletes": queue["deletes"], "uploading": queue["uploading"],

@@ -204,7 +204,9 @@ def kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path: Path, mount_args: t
                           moment: str, then=None, what: str = "") -> None:
     """Close some files, leave a 64 MiB one open, SIGKILL the daemon once the writer
     says ``moment`` (and ``then()`` holds), recover, check the lake: the closed files
-    exact, the open one a prefix of what was written, no object ever partial."""
+    exact; the open one, never closed nor fsynced, not published (no object ever
+    partial) and what was written of it, a prefix, in the recovery directory that
+    ``aifs status`` names."""
     sources = make_sources(tmp_path / "src", {
         "small.txt": 100, "empty": 0, "one-mib.bin": MiB + 7, "dir/multi.bin": 20 * MiB + 3})
     stream = make_sources(tmp_path / "src", {"partial.bin": 64 * MiB})["partial.bin"]
@@ -224,18 +226,25 @@ def kill_with_a_file_open(lake, mounter, aifs_cli, tmp_path: Path, mount_args: t
         again = mounter(lake, "--promote-delay", "0.2", name="second", cache="first")
         sync(aifs_cli, again.path)
         assert_all_in_lake(lake, again.path, sources)
-        # the file open at the kill holds a prefix of what was written, never garbage
-        assert (again.path / "partial.bin").exists(), "the created file was lost"
-        content = (again.path / "partial.bin").read_bytes()
+        # the file open at the kill is not published: not in the mount, not in the lake
+        assert not (again.path / "partial.bin").exists()
+        assert "partial.bin" not in lake_keys(lake)
+        # what was written of it is in the recovery directory: a prefix, never garbage
+        recovered = list((again.cache_dir / "recovered").glob("*/partial.bin"))
+        assert len(recovered) == 1, recovered
+        content = recovered[0].read_bytes()
         assert content == stream.path.read_bytes()[:len(content)], \
             f"partial.bin ({len(content)} bytes) is not a prefix of what was written"
-        assert lake.get("partial.bin") == content
+        status = aifs_cli("status", str(again.path))
+        assert status.returncode == 0, status.stderr
+        assert "1 files written but never closed" in status.stdout, status.stdout
+        assert str(again.cache_dir / "recovered") in status.stdout
         assert_no_uploads_left(lake)
     finally:
         poller.stop()
         if writer:
             writer.stop()
-    poller.check({n: s.size for n, s in sources.items()} | {"partial.bin": len(content)})
+    poller.check({n: s.size for n, s in sources.items()} | {"partial.bin": -1})
 
 
 def test_kill_while_a_file_is_being_written(lake, mounter, aifs_cli, tmp_path):

@@ -26,6 +26,8 @@ marker     ino ++ u64 sequence number       content of a commit marker as one cl
                                             it (published once what it commits is in)
 link       hard-link group id (UTF-8)       u64 ino that holds the group's names here
                                             (a fresh node joins names it finds by it)
+unclosed   ino                              b"": written through a handle since its last
+                                            close or fsync (after a crash: not published)
 sys        b"next_ino" / b"next_cookie"     u64 counters
            b"next_seq" / b"next_tomb"
            b"next_outbox"
@@ -268,6 +270,7 @@ class MetaStore:
         self.uploads = self.env.open_db(b"upload")
         self.markers = self.env.open_db(b"marker")
         self.link_groups = self.env.open_db(b"link")
+        self.unclosed_db = self.env.open_db(b"unclosed")
         self.sys = self.env.open_db(b"sys")
         with self.env.begin(write=True) as txn:
             txn.put(b"schema", SCHEMA_VERSION, db=self.sys)
@@ -920,6 +923,40 @@ class MetaStore:
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
         txn.put(objkey, u64(ino), db=self.objkeys)
         return ino
+
+    # -- files written and not closed (see core.Filesystem.recover) ---------------
+    def mark_unclosed(self, ino: int) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(u64(ino), b"", db=self.unclosed_db)
+
+    def clear_unclosed(self, ino: int) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(u64(ino), db=self.unclosed_db)
+
+    def unclosed(self) -> list[int]:
+        with self.env.begin() as txn:
+            return [_U64.unpack(k)[0] for k, _ in txn.cursor(db=self.unclosed_db)]
+
+    def unpublish(self, ino: int) -> Inode | None:
+        """Forget a file whose writes must not reach the lake (it was open for
+        writing at a crash): its entry goes, without a tombstone, and its
+        directory is listed again, so the lake's last version (if any) shows."""
+        with self.env.begin(write=True) as txn:
+            txn.delete(u64(ino), db=self.unclosed_db)
+            raw = txn.get(u64(ino), db=self.inodes)
+            if not raw:
+                return None
+            inode = Inode.decode(raw)
+            entry = self._entry_of(txn, inode)
+            if entry is not None:
+                self._remove(txn, inode.parent, entry[0], entry[1], tomb=False)
+            parent_raw = txn.get(u64(inode.parent), db=self.inodes)
+            if parent_raw:
+                parent = Inode.decode(parent_raw)
+                parent.listed_at = 0.0
+                txn.put(u64(parent.ino), parent.encode(), db=self.inodes)
+            self._delete_tree(txn, ino)  # (its upload records stay: aborted at start)
+        return inode
 
     def delete_orphan(self, ino: int) -> None:
         """Drop an orphan's record (and, for a directory, its subtree)."""
