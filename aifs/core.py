@@ -75,6 +75,8 @@ PENDING_XATTR = b"user.aifs.pending"
 METRICS_XATTR = b"user.aifs.metrics"
 WARMUP_XATTR = b"user.aifs.warmup"  # reading it fetches the file into the cache
 PACK_XATTR = b"user.aifs.pack"  # of a directory: reading it packs its objects (aifs pack)
+DISK_FULL_WAIT = 30.0  # seconds a write waits on a full cache disk for promotion
+DISK_FULL_EVICT = 64 << 20  # bytes of clean data evicted at least when the disk is full
 GC_XATTR = b"user.aifs.gc"  # reading it compacts and collects packs (aifs gc)
 PACK_PROGRESS_XATTR = b"user.aifs.pack_progress"
 ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the second read
@@ -175,6 +177,7 @@ class Filesystem:
         self._unsaved: set[int] = set()  # ... changed since last stored in LMDB
         self._marked_dirty: set[int] = set()  # ... whose DATA flag is set in LMDB
         self._unclosed: set[int] = set()  # written since their last close or fsync
+        self.disk_full = 0  # times the cache disk was found full
         self.recovered_dir = local.root.parent / "recovered"
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
@@ -1182,13 +1185,38 @@ class Filesystem:
 
     async def _pwrite(self, fd: int, data: bytes, offset: int) -> int:
         """Write to a local copy, inline: a write into the page cache takes
-        microseconds, less than handing it to a thread and back."""
+        microseconds, less than handing it to a thread and back. A full cache
+        disk first gets room made (:meth:`_free_disk`); ENOSPC only if none
+        can be."""
+        try:
+            return os.pwrite(fd, data, offset)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise FsError(exc.errno or errno.EIO) from None
+        await self._free_disk(len(data))
         try:
             return os.pwrite(fd, data, offset)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                log.error("local cache disk full: write refused")
+                log.error("local cache disk full: a write is refused (ENOSPC); what is "
+                          "not in the lake yet fills it")
             raise FsError(exc.errno or errno.EIO) from None
+
+    async def _free_disk(self, wanted: int) -> None:
+        """The cache disk is full (another tenant filled it, or sparse copies
+        grew behind the accounting): evict clean blocks and clean local
+        copies, and let promotion make dirty copies clean, for at most
+        DISK_FULL_WAIT seconds. The mount goes on by itself once space returns."""
+        self.disk_full += 1
+        log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
+                    "promotion", DISK_FULL_WAIT)
+        amount = max(wanted, DISK_FULL_EVICT)
+        await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self._disk)
+        freed = self.local.evict(amount)
+        with trio.move_on_after(DISK_FULL_WAIT):
+            while freed < wanted and self.promoter.hurry():
+                await self.promoter.wait_progress()
+                freed += self.local.evict(amount)
 
     async def _make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import lmdb
 import pyfuse3
 
 from aifs.core import Filesystem, SetAttributes
@@ -33,6 +34,11 @@ def _replies(fn: F) -> F:
             raise
         except FsError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
+        except (lmdb.DiskError, lmdb.MapFullError) as exc:
+            # the metadata could not grow: the cache disk is full (its reserve
+            # spent); the caller is told so and nothing was changed
+            log.warning("%s: metadata not written, cache disk full (%s)", fn.__name__, exc)
+            raise pyfuse3.FUSEError(errno.ENOSPC) from None
         except Exception as exc:
             lake = lake_error_in(exc)
             if lake is not None:

@@ -116,6 +116,7 @@ class Metrics:
                 "misses": fetched.misses,
                 "hit_ratio": round(sum(hits.values()) / served, 4) if served else 0.0,
                 "evictions": fs.cache.evictions + fs.local.evictions,
+                "disk_full": fs.disk_full,
             },
             "recovered": {"directory": str(fs.recovered_dir),
                           "files": fs.recovered_files()},

@@ -143,9 +143,11 @@ class LocalFiles:
                 name = str(self.root / f"spare-{self._spare_counter}")
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            except OSError as exc:
+            except OSError as exc:  # a full disk: try again later, it may empty
                 log.warning("cannot make spare local files: %s", exc)
-                return
+                with self._lock:
+                    self._spares_wanted.wait(5.0)
+                continue
             with self._lock:
                 self._spares.append((name, fd))
 
@@ -160,9 +162,13 @@ class LocalFiles:
         self._drop_fd(ino)
         spare = self._take_spare()
         if spare is not None:
-            os.rename(spare[0], self.path(ino))  # replaces an old copy at once
-            fd = spare[1]
-        else:
+            try:
+                os.rename(spare[0], self.path(ino))  # replaces an old copy at once
+                fd = spare[1]
+            except OSError:
+                os.close(spare[1])
+                spare = None
+        if spare is None:
             fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._fds[ino] = fd
         self._account(ino, 0)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import struct
 import time
 import uuid
@@ -256,6 +257,27 @@ class Listed:
     fields: dict[str, object] | None = None
 
 
+#: disk space the metadata file holds from the start, so that creates, deletes and
+#: promotions still record themselves when the cache disk fills up with data
+RESERVE_BYTES = 64 << 20
+
+
+def _reserve(data_file: Path, size: int) -> None:
+    """Give the LMDB file ``size`` bytes of real blocks (it grows by writes
+    into a sparse file, which fail with ENOSPC on a full disk)."""
+    try:
+        if data_file.stat().st_size >= size:
+            return
+        fd = os.open(data_file, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning("cannot reserve %d MiB for metadata in %s: %s", size >> 20, data_file,
+                    exc.strerror)
+
+
 class MetaStore:
     def __init__(self, path: Path, map_size: int = 1 << 36) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -282,6 +304,7 @@ class MetaStore:
     def _open(path: Path, map_size: int) -> lmdb.Environment:
         env = lmdb.open(str(path), map_size=map_size, max_dbs=20, subdir=True,
                         readahead=False, sync=False, metasync=False)
+        _reserve(path / "data.mdb", RESERVE_BYTES)
         sys_db = env.open_db(b"sys")
         with env.begin(db=sys_db) as txn:
             version = txn.get(b"schema")

@@ -11,6 +11,7 @@ cancel the fetch others wait on.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -37,6 +38,10 @@ async def read_at(fd: int, offset: int, length: int,
         got = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
     except BlockingIOError:
         got = 0
+    except OSError as exc:  # tmpfs (a cache in /dev/shm) has no RWF_NOWAIT: all in memory
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        got = os.preadv(fd, [buf], offset)
     if got < length:
         view = memoryview(buf)[got:]
         got += await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
