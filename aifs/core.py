@@ -613,7 +613,7 @@ class Filesystem:
         return directory
 
     def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
-             pending: int, **extra: object) -> Inode:
+             pending: int, unclosed: bool = False, **extra: object) -> Inode:
         now = self.clock()
         key = directory.key + _name(name) + ("/" if kind == DIR else "")
         self._check_key(key)
@@ -627,7 +627,9 @@ class Filesystem:
         inode = Inode(0, kind, key, directory.ino, mtime_ns=time.time_ns(),
                       mode=mode, uid=uid, gid=gid, ctime=now,
                       attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
-        inode = self.meta.create(directory.ino, name, inode)
+        inode = self.meta.create(directory.ino, name, inode, unclosed)
+        if unclosed:
+            self._unclosed.add(inode.ino)
         self._touch_dir(directory.ino)
         self.remember(inode.ino)
         return inode
@@ -656,20 +658,20 @@ class Filesystem:
             self.save_dir_times()
 
     async def _new_file(self, parent: int, name: bytes, mode: int, uid: int,
-                        gid: int) -> Inode:
+                        gid: int, unclosed: bool = False) -> Inode:
         directory = await self._new_entry(parent, name)
-        inode = self._add(directory, name, FILE, mode, uid, gid, DATA)
+        inode = self._add(directory, name, FILE, mode, uid, gid, DATA, unclosed)
         self.local.create(inode.ino)
         self._kernel_etag[inode.ino] = inode.etag
         return inode
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
                      gid: int) -> tuple[int, Inode]:
-        inode = await self._new_file(parent, name, mode, uid, gid)
+        # opened for writing: a crash before its close must never publish it
+        inode = await self._new_file(parent, name, mode, uid, gid,
+                                     unclosed=bool(flags & (os.O_WRONLY | os.O_RDWR)))
         fh = self._open_handle(inode, writable=True)
         self.files[fh].kill_setid = uid != 0
-        if flags & (os.O_WRONLY | os.O_RDWR):
-            self._mark_unclosed(inode.ino)  # a crash before its close: never published
         self._maybe_stream(inode)
         return fh, inode
 

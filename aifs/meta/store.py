@@ -601,8 +601,10 @@ class MetaStore:
             self._put(txn, inode)
         return inode
 
-    def create(self, parent: int, name: bytes, inode: Inode) -> Inode:
-        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here."""
+    def create(self, parent: int, name: bytes, inode: Inode, unclosed: bool = False) -> Inode:
+        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here.
+        ``unclosed``: created by an open for writing (see :meth:`mark_unclosed`),
+        recorded in the same transaction, so no crash can publish it half made."""
         with self.env.begin(write=True) as txn:
             objkey = key_bytes(inode.key)
             if txn.get(objkey, db=self.tombs) is not None and not inode.etag:
@@ -613,6 +615,8 @@ class MetaStore:
             txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
             txn.put(objkey, u64(inode.ino), db=self.objkeys)
             self._put(txn, inode)
+            if unclosed:
+                txn.put(u64(inode.ino), b"", db=self.unclosed_db)
         return inode
 
     def reincarnate(self, inode: Inode) -> Inode:
