@@ -783,5 +783,7 @@ def test_retention_keeps_the_newest_checkpoints_when_reads_need_room(lake, mount
     assert cached[4] == [8 * MiB, 8 * MiB] and cached[3] == [8 * MiB, 8 * MiB], cached
     assert cached[1] == [0, 0] and cached[2] == [0, 0], \
         f"old checkpoints kept while a read needed room: {cached}"
-    # and what was read is cached, in the room the old checkpoints left
-    assert cached_bytes(mount.path / "data" / "train.tar") >= 56 * MiB
+    # and much of what was read is cached, in the room the old checkpoints left
+    # (how much exactly depends on the read-ahead windows in flight while the
+    # room was made: 40 to 64 MiB; without that room it would be 32 at most)
+    assert cached_bytes(mount.path / "data" / "train.tar") > 32 * MiB
