@@ -179,6 +179,7 @@ class Filesystem:
         self._unclosed: set[int] = set()  # written since their last close or fsync
         self.disk_full = 0  # times the cache disk was found full
         self.recovered_dir = local.root.parent / "recovered"
+        self.recovered_files = 0  # files in it (counted at mount, kept since)
         self._changes: dict[int, int] = {}
         self._materializing: dict[int, trio.Lock] = {}
         self._disk = trio.CapacityLimiter(8)
@@ -235,31 +236,28 @@ class Filesystem:
         keeps its last version of each (a half-written checkpoint shard must
         not replace it), and the bytes written go to the recovery directory,
         for a person to look at (``aifs status`` says where)."""
-        unclosed = self.meta.unclosed()
-        if not unclosed:
-            return
+        if self.recovered_dir.is_dir():  # counted once here, not per status request
+            self.recovered_files = sum(len(f) for _, _, f in os.walk(self.recovered_dir))
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        for ino in unclosed:
+        for ino in self.meta.unclosed():
             inode = self.meta.get(ino)
             if inode is not None and self.local.has(ino) and not inode.orphan:
-                target = self.recovered_dir / stamp / (inode.key or str(ino))
-                try:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(self.local.path(ino), target)
-                except OSError:  # a key no path here can hold: by inode number
-                    target = self.recovered_dir / stamp / str(ino)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(self.local.path(ino), target)
+                # under its key; by inode number where no path here can hold the key
+                names = list(dict.fromkeys((inode.key or str(ino), str(ino))))
+                for name in names:
+                    target = self.recovered_dir / stamp / name
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        os.rename(self.local.path(ino), target)
+                        break
+                    except OSError:
+                        if name == names[-1]:
+                            raise  # kept where it is: nothing is dropped unsaved
+                self.recovered_files += 1
                 log.warning("%s was open for writing when the node went down: not "
                             "published; the bytes written are in %s", inode.key, target)
             self.local.remove(ino)
             self.meta.unpublish(ino)
-
-    def recovered_files(self) -> int:
-        """How many files the recovery directory holds."""
-        if not self.recovered_dir.is_dir():
-            return 0
-        return sum(len(files) for _, _, files in os.walk(self.recovered_dir))
 
     # -- attributes -------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:

@@ -119,7 +119,7 @@ class Metrics:
                 "disk_full": fs.disk_full,
             },
             "recovered": {"directory": str(fs.recovered_dir),
-                          "files": fs.recovered_files()},
+                          "files": fs.recovered_files},
             "promotion": {
                 "pending_files": queue["files"], "pending_bytes": queue["bytes"],
                 "pending_deletes": queue["deletes"], "uploading": queue["uploading"],
