@@ -334,7 +334,11 @@ class Filesystem:
         return self.clock() - directory.listed_at < self.config.metadata_ttl
 
     async def _ensure_listed(self, directory: Inode) -> Inode:
-        """Refresh ``directory`` from LIST if its listing is older than the TTL."""
+        """Refresh ``directory`` from LIST if its listing is older than the TTL.
+
+        A listing that started after this call did is fresh enough for it,
+        whatever the TTL (with ``metadata_ttl`` 0 every call lists once)."""
+        called = self.clock()
         while not self._fresh(directory):
             pending = self._listing.get(directory.ino)
             if pending is not None:
@@ -352,6 +356,8 @@ class Filesystem:
             if refreshed.listed_at == directory.listed_at:
                 return refreshed  # the listing failed for another waiter: serve what we have
             directory = refreshed
+            if directory.listed_at >= called:
+                break
         return directory
 
     async def _list(self, directory: Inode) -> None:

@@ -226,3 +226,24 @@ async def test_a_name_deleted_while_open_for_writing_is_free_in_the_lake_at_once
     assert (tmp_path / "lake" / "x" / "y").read_bytes() == b"inside"
     assert bytes(await fs.read(fh, 0, 100)) == b"first second"
     fs.release(fh)
+
+
+async def test_a_zero_metadata_ttl_lists_once_per_lookup_and_sees_new_objects(tmp_path):
+    """``--metadata-ttl 0`` (always ask the lake) used to list a directory
+    for ever: a listing was stale the moment it ended."""
+    lake = tmp_path / "lake"
+    (lake / "d").mkdir(parents=True)
+    config = Config(lake=f"file://{lake}", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=0, pack_threshold=0)
+    store = CountingStore(str(lake))
+    filesystem = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                            BlockCache(tmp_path / "cache", config.cache_size),
+                            LocalFiles(tmp_path / "cache"))
+    async with trio.open_nursery() as nursery:
+        filesystem.start(nursery)
+        with trio.fail_after(10):
+            d = await filesystem.lookup(ROOT_INO, b"d")
+            assert d is not None and await filesystem.lookup(d.ino, b"new") is None
+            (lake / "d" / "new").write_bytes(b"from another node")
+            assert (await filesystem.lookup(d.ino, b"new")).size == 17
+        nursery.cancel_scope.cancel()
