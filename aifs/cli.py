@@ -303,6 +303,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retries(causes: dict[str, int]) -> str:
+    total = sum(causes.values())
+    named = ", ".join(f"{n} {cause}" for cause, n in causes.items() if n)
+    return f"{total} retries ({named})" if named else f"{total} retries"
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -352,7 +358,7 @@ def status_lines(root: str, m: dict) -> list[str]:
         f"{promo['uploads']} uploaded ({_size(promo['upload_bytes'])}), "
         f"{promo['failures']} failures",
         f"lake       {requests or 'no requests'}; {sum(lake['errors'].values())} errors, "
-        f"{lake['retries']} retries; {_size(lake['read_bytes'])} in, "
+        f"{_retries(lake['retries'])}; {_size(lake['read_bytes'])} in, "
         f"{_size(lake['written_bytes'])} out",
         f"throughput reads {_size(rate['read_bytes_per_s'])}/s, writes "
         f"{_size(rate['write_bytes_per_s'])}/s; lake in "

@@ -39,9 +39,21 @@ class CorruptData(LakeError):
 
 
 class LakeUnavailable(LakeError):
-    """Endpoint unreachable, timed out, throttled or answering 5xx."""
+    """Endpoint unreachable, timed out, throttled or answering 5xx.
+
+    ``cause`` names the kind of failure for the retry metrics: one of
+    :data:`CAUSES`.
+    """
 
     transient = True
+
+    def __init__(self, message: str, cause: str = "error") -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+#: why a lake request is tried again (the label of ``aifs_lake_retries_total``)
+CAUSES = ("connection", "timeout", "truncated", "throttled", "server", "error")
 
 
 class AccessDenied(LakeError):

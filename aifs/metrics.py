@@ -197,7 +197,7 @@ _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
     ("aifs_lake_request_seconds_total", "counter", "Seconds spent waiting for the lake, "
      "by S3 operation.", "op", lambda s: s["lake"]["request_seconds"]),
     ("aifs_lake_retries_total", "counter", "Lake requests made again after a transient "
-     "failure.", "", lambda s: s["lake"]["retries"]),
+     "failure, by its cause.", "cause", lambda s: s["lake"]["retries"]),
     ("aifs_lake_read_bytes_total", "counter", "Bytes read from the lake.", "",
      lambda s: s["lake"]["read_bytes"]),
     ("aifs_lake_written_bytes_total", "counter", "Bytes written to the lake.", "",

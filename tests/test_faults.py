@@ -17,6 +17,7 @@ import pytest
 from conftest import Lake, lake_tree, lake_uploads
 from faultproxy import KINDS, FaultProxy
 
+from aifs.lake.retry import RetryingStore, RetryPolicy
 from aifs.lake.s3 import S3Store
 
 MiB = 1 << 20
@@ -24,23 +25,25 @@ RATE = 0.2
 
 
 @pytest.fixture
-def proxied(request, moto_server, tmp_path):
-    """(a lake on moto whose mounts go through a fault proxy, the proxy)."""
+def proxied(request, tmp_path):
+    """(a lake on moto or Ceph RGW whose mounts go through a fault proxy, the proxy)."""
     import uuid
+    server_kind, seed, kinds = request.param
+    server = request.getfixturevalue(f"{server_kind}_server")
     bucket = f"aifs-faults-{uuid.uuid4().hex[:12]}"
-    moto_server.client.create_bucket(Bucket=bucket)
-    port = int(moto_server.endpoint.rsplit(":", 1)[1])
-    seed, kinds = request.param
+    server.client.create_bucket(Bucket=bucket)
+    port = int(server.endpoint.rsplit(":", 1)[1])
     proxy = FaultProxy(port, RATE, seed, kinds)
-    lake = Lake("moto", f"s3://{bucket}/data", moto_server.env,
-                ["--endpoint-url", proxy.endpoint], server=moto_server, bucket=bucket,
+    lake = Lake(server_kind, f"s3://{bucket}/data", server.env,
+                ["--endpoint-url", proxy.endpoint], server=server, bucket=bucket,
                 prefix="data/")
     yield lake, proxy
     proxy.close()
 
 
-CASES = [pytest.param((seed, (kind,)), id=f"{kind}-{seed}") for kind in KINDS
-         for seed in (1, 2)] + [pytest.param((3, KINDS), id="mixed-3")]
+CASES = [pytest.param(("moto", seed, (kind,)), id=f"moto-{kind}-{seed}") for kind in KINDS
+         for seed in (1, 2)] + [pytest.param((server, 3, KINDS), id=f"{server}-mixed-3")
+                                for server in ("moto", "ceph")]
 
 
 @pytest.mark.parametrize("proxied", CASES, indirect=True)
@@ -50,7 +53,8 @@ async def test_every_lake_operation_rides_out_faults(proxied, monkeypatch):
     lake, proxy = proxied
     for name, value in lake.env.items():
         monkeypatch.setenv(name, value)
-    store = S3Store(lake.bucket, "data", endpoint_url=proxy.endpoint, timeout=5, retries=8)
+    store = RetryingStore(S3Store(lake.bucket, "data", endpoint_url=proxy.endpoint, timeout=5),
+                          RetryPolicy(attempts=8))
     rng = random.Random(7)
     big = rng.randbytes(6 * MiB)
     try:
@@ -106,8 +110,10 @@ def _workload(root: Path, seed: int) -> dict[str, bytes]:
 MOUNT_SEEDS = [int(x) for x in os.environ.get("AIFS_FAULT_SEEDS", "11,12").split(",")]
 
 
-@pytest.mark.parametrize("proxied", [pytest.param((seed, KINDS), id=f"mixed-{seed}")
-                                     for seed in MOUNT_SEEDS], indirect=True)
+@pytest.mark.parametrize("proxied", [pytest.param(("moto", seed, KINDS), id=f"moto-mixed-{seed}")
+                                     for seed in MOUNT_SEEDS]
+                         + [pytest.param(("ceph", MOUNT_SEEDS[0], KINDS),
+                                         id=f"ceph-mixed-{MOUNT_SEEDS[0]}")], indirect=True)
 def test_a_mount_under_faults_loses_nothing_and_leaves_no_uploads(proxied, mounter,
                                                                   aifs_cli):
     lake, proxy = proxied

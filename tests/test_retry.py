@@ -14,10 +14,12 @@ async def test_transient_errors_are_retried_until_success():
     async def flaky() -> str:
         calls.append(1)
         if len(calls) < 3:
-            raise LakeUnavailable("503 SlowDown")
+            raise LakeUnavailable("503 SlowDown", "throttled")
         return "ok"
-    assert await RetryPolicy(attempts=5, base_delay=0.001).call("GET x", flaky) == "ok"
+    policy = RetryPolicy(attempts=5, base_delay=0.001)
+    assert await policy.call("GET x", flaky) == "ok"
     assert len(calls) == 3
+    assert policy.causes == {"throttled": 2} and policy.retries == 2
 
 
 async def test_gives_up_after_the_attempts():

@@ -12,7 +12,13 @@ __all__ = ["ListPage", "ObjectInfo", "ObjectStore", "open_store"]
 
 
 def open_store(config: Config) -> ObjectStore:
-    """Build the store for ``config``'s lake URL (s3:// or file://)."""
+    """Build the store for ``config``'s lake URL (s3:// or file://), its calls
+    retried with backoff."""
+    from aifs.lake.retry import RetryingStore, RetryPolicy
+    return RetryingStore(_open_one(config), RetryPolicy(attempts=config.retries))
+
+
+def _open_one(config: Config) -> ObjectStore:
     url = config.resolved_lake()
     parsed = urlparse(url)
     if parsed.scheme == "file":
@@ -27,6 +33,6 @@ def open_store(config: Config) -> ObjectStore:
         return S3Store(parsed.netloc, unquote(parsed.path), endpoint_url=config.endpoint_url,
                        region=config.region, profile=config.profile,
                        path_style=config.path_style, max_connections=config.max_connections,
-                       timeout=config.request_timeout, retries=config.retries,
+                       timeout=config.request_timeout,
                        sign_payload=config.sign_payload)
     raise ConfigError(f"unsupported lake URL {url!r} (use s3://BUCKET/PREFIX or file:///DIR)")

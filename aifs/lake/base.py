@@ -2,7 +2,11 @@
 
 Keys are relative to the store's own prefix: core never sees the bucket or
 prefix. Every call is idempotent so that a retry, or a call whose outcome is
-unknown after cancellation, can simply be made again.
+unknown after cancellation, can simply be made again (the two exceptions,
+create and complete of a multipart upload, are handled in
+:mod:`aifs.lake.retry`). A store makes one attempt per call; a transient
+failure raises LakeUnavailable with its cause, and the RetryingStore above it
+tries again.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo: ...
+
+    def made_by_upload(self, info: ObjectInfo, upload_id: str,
+                       parts: list[tuple[int, str]]) -> bool:
+        """Whether the object ``info`` is the one that completing ``upload_id``
+        with ``parts`` made (asked when the reply to a complete was lost and
+        the upload is gone). S3's form: a multipart ETag ends in ``-<parts>``."""
+        return info.etag.strip('"').endswith(f"-{len(parts)}")
 
     @abc.abstractmethod
     async def abort_multipart(self, key: str, upload_id: str) -> None: ...

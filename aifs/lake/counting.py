@@ -2,9 +2,10 @@
 operation, for ``aifs status`` and the metrics endpoint.
 
 A thin wrapper around any ObjectStore, so every lake is counted the same way
-and no implementation needs to know about metrics. Retries happen inside the
-wrapped store (one logical call, several HTTP requests); they are counted by
-its RetryPolicy and read through :attr:`CountingStore.retries`.
+and no implementation needs to know about metrics. Retries happen below, in
+the RetryingStore this one wraps (one logical call, several HTTP requests);
+they are counted by its RetryPolicy, by cause, and read through
+:attr:`CountingStore.retries`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from aifs.errors import LakeError, ObjectNotFound
+from aifs.errors import CAUSES, LakeError, ObjectNotFound
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
 T = TypeVar("T")
@@ -37,9 +38,11 @@ class CountingStore(ObjectStore):
         self.bytes_written = 0
 
     @property
-    def retries(self) -> int:
-        policy = getattr(self.inner, "retry", None)
-        return int(getattr(policy, "retries", 0))
+    def retries(self) -> dict[str, int]:
+        """Requests made again, by cause (:data:`aifs.errors.CAUSES`)."""
+        policy = getattr(self.inner, "policy", None)
+        causes = getattr(policy, "causes", {})
+        return {cause: int(causes.get(cause, 0)) for cause in CAUSES}
 
     async def _count(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
         self.requests[op] += 1
@@ -89,6 +92,10 @@ class CountingStore(ObjectStore):
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
         return await self._count("CompleteMultipartUpload", lambda: self.inner.complete_multipart(
             key, upload_id, parts))
+
+    def made_by_upload(self, info: ObjectInfo, upload_id: str,
+                       parts: list[tuple[int, str]]) -> bool:
+        return self.inner.made_by_upload(info, upload_id, parts)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._count("AbortMultipartUpload",

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -49,6 +50,10 @@ class LocalStore(ObjectStore):
         self.max_key_bytes = 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
         self.description = f"file://{self.root}" + (f" (prefix {self.prefix})" if prefix else "")
         self._limiter = trio.CapacityLimiter(max_threads)
+        # upload id -> ETag of the object it made, for uploads completed by
+        # this process: a local call has no reply to lose, but one cancelled
+        # or failed after it ran is asked about (made_by_upload). Bounded.
+        self._completed: OrderedDict[str, str] = OrderedDict()
 
     # -- helpers --------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
@@ -232,8 +237,16 @@ class LocalStore(ObjectStore):
                             os.write(fd, chunk)
             st = self._write_atomic(path, write, metadata)
             shutil.rmtree(staging, ignore_errors=True)
-            return ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime, metadata)
+            info = ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime, metadata)
+            self._completed[upload_id] = info.etag
+            while len(self._completed) > 1024:
+                self._completed.popitem(last=False)
+            return info
         return await self._run(do)
+
+    def made_by_upload(self, info: ObjectInfo, upload_id: str,
+                       parts: list[tuple[int, str]]) -> bool:
+        return self._completed.get(upload_id) == info.etag
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         staging = self._staging(upload_id)

@@ -1,15 +1,36 @@
-"""Retries with full-jitter exponential backoff: the one place lake calls retry."""
+"""Retries with full-jitter exponential backoff: the one place lake calls retry.
+
+:class:`RetryingStore` wraps any ObjectStore and makes each call again when it
+fails transiently (:class:`LakeUnavailable`). The stores below it make one
+attempt per call and say why one failed (``LakeUnavailable.cause``); so a
+fault-injecting store (:mod:`aifs.lake.faulty`) can sit between the two and
+every retry path is tested without a network.
+
+Most calls are idempotent and are simply made again. Two are not, and the
+retry knows what an attempt whose reply was lost may have done:
+
+- ``create_multipart``: an earlier attempt may have started an upload nobody
+  will ever complete; those are aborted once a later attempt succeeds.
+- ``complete_multipart``: an earlier attempt may have completed the upload, so
+  the next one finds no upload; the object is then the upload's if the store
+  says so (:meth:`ObjectStore.made_by_upload`).
+
+Hand-written rather than tenacity/backoff: the loop is ten lines, it must be
+trio-native, and it must count retries by cause for the metrics.
+"""
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import trio
 
-from aifs.errors import LakeError
+from aifs.errors import LakeError, ObjectNotFound
+from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,7 +41,12 @@ class RetryPolicy:
         self.attempts = attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
-        self.retries = 0  # attempts made again, for the metrics
+        #: attempts made again, by the cause of the failure before them
+        self.causes: Counter[str] = Counter()
+
+    @property
+    def retries(self) -> int:
+        return sum(self.causes.values())
 
     def delay(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
@@ -34,8 +60,126 @@ class RetryPolicy:
                 if not exc.transient or attempt + 1 >= self.attempts:
                     raise
                 pause = self.delay(attempt)
-                self.retries += 1
+                self.causes[getattr(exc, "cause", "error")] += 1
                 log.warning("%s failed (%s); retry %d/%d in %.2fs",
                             what, exc, attempt + 1, self.attempts - 1, pause)
                 await trio.sleep(pause)
         raise AssertionError("unreachable")
+
+
+class RetryingStore(ObjectStore):
+    """``inner`` with every call retried under one :class:`RetryPolicy`."""
+
+    def __init__(self, inner: ObjectStore, policy: RetryPolicy | None = None) -> None:
+        self.inner = inner
+        self.policy = policy or RetryPolicy()
+        self.description = inner.description
+        self.max_key_bytes = inner.max_key_bytes
+
+    async def check(self) -> None:
+        await self.policy.call("check the lake", self.inner.check)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.policy.call(f"HEAD {key}", lambda: self.inner.head(key))
+
+    async def get_range(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes:
+        return await self.policy.call(f"GET {key}", lambda: self.inner.get_range(
+            key, start, length, if_match))
+
+    async def put(self, key: str, data: bytes,
+                  metadata: dict[str, str] | None = None) -> ObjectInfo:
+        return await self.policy.call(f"PUT {key}", lambda: self.inner.put(key, data, metadata))
+
+    async def create_multipart(self, key: str,
+                               metadata: dict[str, str] | None = None) -> str:
+        attempts = 0
+
+        async def create() -> str:
+            nonlocal attempts
+            attempts += 1
+            return await self.inner.create_multipart(key, metadata)
+        upload_id = await self.policy.call(f"create multipart {key}", create)
+        if attempts > 1:
+            await self._abort_lost_creates(key, upload_id)
+        return upload_id
+
+    async def _abort_lost_creates(self, key: str, kept: str) -> None:
+        """A create was tried again: the server may have started an upload for
+        an earlier try whose reply was lost. Those uploads belong to no one:
+        aborted now (an upload of the same key by another writer at this very
+        moment would go too; that writer's upload fails and is retried). What
+        cannot be aborted now, ``aifs gc`` and the next mount sweep up."""
+        try:
+            for upload_id, _ in await self.list_multipart(key):
+                if upload_id != kept:
+                    await self.abort_multipart(key, upload_id)
+                    log.info("aborted an upload of %s whose creation reply was lost", key)
+        except LakeError as exc:
+            log.warning("cannot look for lost uploads of %s: %s", key, exc)
+
+    async def upload_part(self, key: str, upload_id: str, part_number: int,
+                          data: bytes) -> str:
+        return await self.policy.call(f"upload part {part_number} of {key}",
+                                      lambda: self.inner.upload_part(
+                                          key, upload_id, part_number, data))
+
+    async def complete_multipart(self, key: str, upload_id: str,
+                                 parts: list[tuple[int, str]]) -> ObjectInfo:
+        attempts = 0
+
+        async def complete() -> ObjectInfo:
+            nonlocal attempts
+            attempts += 1
+            return await self.inner.complete_multipart(key, upload_id, parts)
+        try:
+            return await self.policy.call(f"complete multipart {key}", complete)
+        except ObjectNotFound:
+            # Tried again after a lost reply, the upload is gone: it completed
+            # if the object there is the one it made.
+            if attempts < 2:
+                raise
+            info = await self.head(key)
+            if not self.inner.made_by_upload(info, upload_id, parts):
+                raise
+            return info
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            await self.policy.call(f"abort multipart {key}",
+                                   lambda: self.inner.abort_multipart(key, upload_id))
+        except ObjectNotFound:
+            pass  # aborted already (by an attempt whose reply was lost)
+
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        return await self.policy.call(f"list uploads of {prefix or '/'}",
+                                      lambda: self.inner.list_uploads(prefix))
+
+    def made_by_upload(self, info: ObjectInfo, upload_id: str,
+                       parts: list[tuple[int, str]]) -> bool:
+        return self.inner.made_by_upload(info, upload_id, parts)
+
+    async def list_page(self, prefix: str, delimiter: str | None = "/",
+                        token: str | None = None, max_keys: int = 1000) -> ListPage:
+        return await self.policy.call(f"LIST {prefix}", lambda: self.inner.list_page(
+            prefix, delimiter, token, max_keys))
+
+    async def iter_list(self, prefix: str,
+                        delimiter: str | None = "/") -> AsyncIterator[ListPage]:
+        if type(self.inner).iter_list is ObjectStore.iter_list:
+            async for page in super().iter_list(prefix, delimiter):  # pages retried
+                yield page
+        else:  # the store's own paging (the local lake scans a directory once)
+            async for page in self.inner.iter_list(prefix, delimiter):
+                yield page
+
+    async def delete_many(self, keys: list[str]) -> None:
+        await self.policy.call("DELETE objects", lambda: self.inner.delete_many(keys))
+
+    async def copy(self, src: str, dst: str,
+                   metadata: dict[str, str] | None = None) -> str:
+        return await self.policy.call(f"COPY {src} -> {dst}",
+                                      lambda: self.inner.copy(src, dst, metadata))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -2,8 +2,9 @@
 
 boto3 is blocking: every call runs in a worker thread, under a CapacityLimiter
 sized to the connection pool so threads never wait on the pool. The client is
-built once, before any thread uses it. botocore's own retries are off: retry
-with backoff happens once, in :mod:`aifs.lake.retry`.
+built once, before any thread uses it. botocore's own retries are off: each
+call is one attempt, and retry with backoff happens once, in
+:class:`aifs.lake.retry.RetryingStore` above this store.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from aifs.errors import (
     PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
-from aifs.lake.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,12 +46,11 @@ class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str = "",
                  region: str = "", profile: str = "", path_style: bool = True,
                  max_connections: int = 32, timeout: float = 30.0,
-                 retries: int = 5, sign_payload: bool = False) -> None:
+                 sign_payload: bool = False) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # S3 (and Ceph RGW) keys hold at most 1,024 bytes, the prefix included
         self.max_key_bytes = 1024 - len(self.prefix.encode())
-        self.retry = RetryPolicy(attempts=retries)
         self.limiter = trio.CapacityLimiter(max_connections)
         try:
             session = boto3.session.Session(profile_name=profile or None)
@@ -97,7 +96,10 @@ class S3Store(ObjectStore):
                 return AccessDenied(f"access denied by {self.client.meta.endpoint_url} "
                                     f"({code}): check the credentials")
             if code in _TRANSIENT or status.startswith("5"):
-                return LakeUnavailable(f"{what}: {message}")
+                throttled = code in ("SlowDown", "Throttling", "ThrottlingException") \
+                    or status == "503"
+                return LakeUnavailable(f"{what}: {message}",
+                                       "throttled" if throttled else "server")
             if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
                 return InvalidKey(f"{what}: {message}")
             return LakeError(f"{what}: {code} {message}")
@@ -109,13 +111,20 @@ class S3Store(ObjectStore):
                             botocore.exceptions.ReadTimeoutError,
                             botocore.exceptions.ConnectionClosedError,
                             botocore.exceptions.ResponseStreamingError)):
+            cause = "timeout" if isinstance(exc, (botocore.exceptions.ConnectTimeoutError,
+                                                  botocore.exceptions.ReadTimeoutError)) \
+                else "truncated" if isinstance(exc, botocore.exceptions.ResponseStreamingError) \
+                else "connection"
             return LakeUnavailable(f"cannot reach {self.client.meta.endpoint_url}: "
-                                   f"{type(exc).__name__}")
+                                   f"{type(exc).__name__}", cause)
+        if isinstance(exc, botocore.exceptions.IncompleteReadError):
+            return LakeUnavailable(f"{what}: body cut short ({exc})", "truncated")
         if isinstance(exc, botocore.exceptions.BotoCoreError):
             return LakeUnavailable(f"{what}: {exc}")
         raise exc
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """One attempt of ``fn`` in a worker thread, its errors translated."""
         def guarded() -> T:
             try:
                 return fn()
@@ -126,11 +135,8 @@ class S3Store(ObjectStore):
                 # a connection broken where botocore does not wrap it (a body read)
                 raise LakeUnavailable(f"{what}: connection to "
                                       f"{self.client.meta.endpoint_url} broken: "
-                                      f"{type(exc).__name__}") from None
-
-        async def attempt() -> T:
-            return await trio.to_thread.run_sync(guarded, limiter=self.limiter)
-        return await self.retry.call(what, attempt)
+                                      f"{type(exc).__name__}", "connection") from None
+        return await trio.to_thread.run_sync(guarded, limiter=self.limiter)
 
     @staticmethod
     def _meta_of(resp: dict[str, Any]) -> dict[str, str]:
@@ -192,31 +198,11 @@ class S3Store(ObjectStore):
 
     async def create_multipart(self, key: str,
                                metadata: dict[str, str] | None = None) -> str:
-        attempts = 0
-
-        def create() -> dict[str, Any]:
-            nonlocal attempts
-            attempts += 1
-            return self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=self._k(key), Metadata=metadata or {})
-        upload_id = (await self._call(f"create multipart {key}", create))["UploadId"]
-        if attempts > 1:
-            await self._abort_lost_creates(key, upload_id)
-        return upload_id
-
-    async def _abort_lost_creates(self, key: str, kept: str) -> None:
-        """A create was tried again: the server may have started an upload for
-        an earlier try whose reply was lost. Those uploads belong to no one:
-        aborted now (an upload of the same key by another writer at this very
-        moment would go too; that writer's upload fails and is retried). What
-        cannot be aborted now, ``aifs gc`` and the next mount sweep up."""
-        try:
-            for upload_id, _ in await self.list_multipart(key):
-                if upload_id != kept:
-                    await self.abort_multipart(key, upload_id)
-                    log.info("aborted an upload of %s whose creation reply was lost", key)
-        except LakeError as exc:
-            log.warning("cannot look for lost uploads of %s: %s", key, exc)
+        resp = await self._call(f"create multipart {key}",
+                                lambda: self.client.create_multipart_upload(
+                                    Bucket=self.bucket, Key=self._k(key),
+                                    Metadata=metadata or {}))
+        return resp["UploadId"]
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
                           data: bytes) -> str:
@@ -228,35 +214,17 @@ class S3Store(ObjectStore):
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
-        attempts = 0
-
-        def complete() -> dict[str, Any]:
-            nonlocal attempts
-            attempts += 1
-            return self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
-                MultipartUpload={"Parts": [
-                    {"PartNumber": n, "ETag": e} for n, e in sorted(parts)]})
-        try:
-            await self._call(f"complete multipart {key}", complete)
-        except ObjectNotFound:
-            # Tried again after a lost reply, the upload is gone: it completed
-            # if the object there is a multipart one of as many parts.
-            if attempts < 2:
-                raise
-            info = await self.head(key)
-            if not info.etag.strip('"').endswith(f"-{len(parts)}"):
-                raise
-            return info
+        await self._call(f"complete multipart {key}",
+                         lambda: self.client.complete_multipart_upload(
+                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
+                             MultipartUpload={"Parts": [
+                                 {"PartNumber": n, "ETag": e} for n, e in sorted(parts)]}))
         return await self.head(key)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
-        try:
-            await self._call(f"abort multipart {key}",
-                             lambda: self.client.abort_multipart_upload(
-                                 Bucket=self.bucket, Key=self._k(key), UploadId=upload_id))
-        except ObjectNotFound:
-            pass
+        await self._call(f"abort multipart {key}",
+                         lambda: self.client.abort_multipart_upload(
+                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id))
 
     async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         found: list[tuple[str, str, float]] = []
