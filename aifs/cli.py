@@ -242,8 +242,12 @@ def _sync(path: str, quiet: bool = False) -> None:
     error = outcome[0] if outcome else None
     if error is not None:
         reason = error.strerror if isinstance(error, OSError) else str(error)
-        raise AifsError(f"sync of {path} failed: {reason} (the lake refused or could not be "
-                        "reached; see the mount's log); the changes stay in the local cache")
+        try:  # the mount says why
+            reason = json.loads(os.getxattr(root, "user.aifs.pending")).get("error") or reason
+        except (OSError, ValueError):
+            pass
+        raise AifsError(f"sync of {path} failed: {reason}; the changes stay in the local "
+                        "cache (see the mount's log)")
 
 
 def _umount(args: argparse.Namespace) -> int:

@@ -177,6 +177,10 @@ class Filesystem:
         self._unsaved: set[int] = set()  # ... changed since last stored in LMDB
         self._marked_dirty: set[int] = set()  # ... whose DATA flag is set in LMDB
         self._unclosed: set[int] = set()  # written since their last close or fsync
+        # A write of these failed (ENOSPC, EIO) since their last fsync: the
+        # application saw the error, so, as after a crash, what they hold is
+        # not published (see _held); ino -> why
+        self._write_failed: dict[int, str] = {}
         self.disk_full = 0  # times the cache disk was found full
         self.recovered_dir = local.root.parent / "recovered"
         self.recovered_files = 0  # files in it (counted at mount, kept since)
@@ -472,6 +476,8 @@ class Filesystem:
         inode = self.meta.get(ino)
         if inode is None or not inode.orphan:
             return
+        self._write_failed.pop(ino, None)  # gone: nothing of it to hold back
+        self._clear_unclosed(ino)
         self.meta.delete_orphan(ino)
         self.local.remove(ino)
         self._forget_written(ino)
@@ -1164,9 +1170,14 @@ class Filesystem:
             self._kill_setid(ino)
         size, _ = await self._make_local(ino)
         end = offset + len(data)
-        if end > size:
-            await self._reserve(end - size)
-        written = await self._pwrite(self.local.fd(ino), data, offset)
+        try:
+            if end > size:
+                await self._reserve(end - size)
+            written = await self._pwrite(self.local.fd(ino), data, offset)
+        except FsError as exc:
+            self._mark_unclosed(ino)
+            self._write_failed[ino] = os.strerror(exc.errno)
+            raise
         self._mark_unclosed(ino)
         self.write_requests += 1
         self.write_bytes += written
@@ -1278,6 +1289,9 @@ class Filesystem:
     async def _truncate(self, inode: Inode, size: int) -> None:
         ino = inode.ino
         self.promoter.streams.cancel(ino, "truncated")
+        if size == 0:
+            self._write_failed.pop(ino, None)  # written anew from nothing
+
         current, _ = await self._make_local(ino, needed=size)
         if size > current:
             await self._reserve(size - current)
@@ -1354,7 +1368,7 @@ class Filesystem:
             self.meta.mark_unclosed(ino)
 
     def _clear_unclosed(self, ino: int) -> None:
-        if ino in self._unclosed:
+        if ino in self._unclosed and ino not in self._write_failed:
             self._unclosed.discard(ino)
             self.meta.clear_unclosed(ino)
 
@@ -1362,6 +1376,7 @@ class Filesystem:
         ino = self._file(fh).ino
         self._save_written(ino)
         await trio.to_thread.run_sync(self.local.sync, ino, limiter=self._disk)
+        self._write_failed.pop(ino, None)  # what it holds now is what the writer wants
         self._clear_unclosed(ino)
         await trio.to_thread.run_sync(self.meta.sync, limiter=self._disk)
         if self.config.fsync == "lake":
@@ -1417,6 +1432,14 @@ class Filesystem:
         if inode is None or inode.orphan:
             return None
         return inode
+
+    def held(self, ino: int) -> str | None:
+        """Why ``ino`` must not reach the lake now, if it must not: a write of
+        it failed since its last fsync (it goes to the recovery directory at
+        the next mount unless fsynced or rewritten from size 0 first)."""
+        why = self._write_failed.get(ino)
+        return None if why is None else (
+            f"not published: a write failed ({why}); fsync it or write it again")
 
     def change_count(self, ino: int) -> int:
         return self._changes.get(ino, 0)

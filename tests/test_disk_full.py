@@ -52,10 +52,12 @@ def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, mount
     with pytest.raises(OSError) as refused:
         _write(root / "too-big.bin", 200 * MiB, 2)
     assert refused.value.errno == errno.ENOSPC
-    # Creates, small writes, reads and deletes go on.
-    (root / "small.txt").write_bytes(b"still works")
+    # Creates, reads and deletes go on. (The refused file keeps what it has,
+    # as on ext4, but is not published: test_a_file_whose_write_failed_...)
+    (root / "empty").touch()
     assert (root / "kept.bin").read_bytes() == kept
     os.unlink(root / "too-big.bin")  # space returns
+    (root / "small.txt").write_bytes(b"still works")
     again = _write(root / "after.bin", 30 * MiB, 3)  # no restart needed
     assert (root / "after.bin").read_bytes() == again
     mount.unmount()
@@ -64,3 +66,40 @@ def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, mount
     assert files["small.txt"] == b"still works"
     for name, data in firsts.items():
         assert files[name] == data, name
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)
+def test_a_file_whose_write_failed_is_not_published(lake, mounter, small_disk, aifs_cli):
+    """The writer saw ENOSPC, so what the file holds is not what it meant to
+    write: as after a crash, the lake keeps the last published version and the
+    next mount moves the bytes to the recovery directory. A file written
+    again from nothing after the error is published as usual."""
+    cache = small_disk / "cache"
+    args = ("--promote-delay", "0", "--cache-size", "10G", "--cache-dir", str(cache))
+    mount = mounter(lake, *args)
+    root = mount.path
+    first = _write(root / "model.bin", 4 * MiB, 1)
+    assert aifs_cli("sync", str(root), "--quiet").returncode == 0
+    # Failed, then written again from size 0 once space is back: published.
+    with pytest.raises(OSError) as refused:
+        _write(root / "retried.bin", 200 * MiB, 2)
+    assert refused.value.errno == errno.ENOSPC
+    retried = _write(root / "retried.bin", 8 * MiB, 3)
+    # Failed and left so: not published.
+    with pytest.raises(OSError) as refused:
+        _write(root / "model.bin", 200 * MiB, 4)
+    assert refused.value.errno == errno.ENOSPC
+    result = aifs_cli("sync", str(root))
+    assert result.returncode != 0 and "a write failed" in result.stderr, result.stderr
+    files, _ = lake_tree(lake)
+    assert files["model.bin"] == first and files["retried.bin"] == retried
+    mount.unmount()
+    files, _ = lake_tree(lake)
+    assert files["model.bin"] == first and files["retried.bin"] == retried
+    again = mounter(lake, *args, name="again")
+    assert (again.path / "model.bin").read_bytes() == first
+    assert (again.path / "retried.bin").read_bytes() == retried
+    kept = list((cache / "recovered").glob("*/model.bin"))
+    assert len(kept) == 1 and kept[0].stat().st_size > 0
+    status = aifs_cli("status", str(again.path))
+    assert "recovered" in status.stdout and "1 file" in status.stdout, status.stdout

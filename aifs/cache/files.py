@@ -11,6 +11,7 @@ ranked ``EVICT_LAST`` (the newest checkpoints) after all others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -234,4 +235,5 @@ class LocalFiles:
             spares, self._spares = self._spares, []
         for name, fd in spares:
             os.close(fd)
-            os.unlink(name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)

@@ -29,6 +29,7 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import ObjectNotFound, lake_error_in
 from aifs.lake.base import ObjectStore
+from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import st_mode
 from aifs.meta.packindex import (
     FOLD_SUFFIX,
@@ -367,7 +368,7 @@ class Packer:
             self.failure = (count, str(error or exc), trio.current_time())
             log.warning("packing %d files failed (%s); they are tried again", len(batch),
                         error or exc)
-            await trio.sleep(min(30.0, 2.0 ** count))
+            await trio.sleep(PROMOTION_BACKOFF.delay(count))
             for ino, version in batch.items():  # back in the queue, unless changed
                 self._inflight.discard(ino)
                 self._queue.setdefault(ino, version)

@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -29,6 +29,7 @@ from aifs.errors import LakeError, ObjectNotFound, lake_error_in
 from aifs.flush.packer import Packer
 from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
+from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import to_metadata
 from aifs.meta.packindex import PackedEntry, deletion, is_packed_at
 from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
@@ -69,6 +70,7 @@ class Host(Protocol):
     """What the promoter asks of the filesystem (``core.Filesystem``)."""
 
     def promotable(self, ino: int, force: bool) -> Inode | None: ...
+    def held(self, ino: int) -> str | None: ...
     def packable(self, inode: Inode) -> bool: ...
     def change_count(self, ino: int) -> int: ...
     def reads_lake(self, ino: int) -> bool: ...
@@ -114,6 +116,7 @@ class Promoter:
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
         self._sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
         self._streamed: set[int] = set()  # uploads just completed from a stream
+        self.sync_error = ""  # why the last sync that gave up did
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
@@ -203,6 +206,11 @@ class Promoter:
     async def _promote_task(self, ino: int, force: bool) -> None:
         landed = False
         try:
+            held = self.host.held(ino)
+            if held is not None:  # it waits for its writer, not the lake: no retry
+                count = self._failures.get(ino, (0, "", 0.0))[0] + 1
+                self._failures[ino] = (max(2, count), held, trio.current_time())
+                return
             try:
                 landed = await self._promote(ino, force)
             except Exception as exc:
@@ -212,8 +220,8 @@ class Promoter:
             count = self._failures.get(ino, (0, "", 0.0))[0] + 1
             self._failures[ino] = (count, str(exc), trio.current_time())
             self.stats.failures += 1
-            pause = min(60.0, 2.0 ** count)
-            log.warning("promotion of inode %d failed (%s); next try in %.0fs", ino, exc, pause)
+            pause = PROMOTION_BACKOFF.delay(count)
+            log.warning("promotion of inode %d failed (%s); next try in %.1fs", ino, exc, pause)
             self.schedule(ino, pause)
         except FileNotFoundError as exc:
             current = self.meta.get(ino)
@@ -228,7 +236,7 @@ class Promoter:
             # on it instead of waiting for ever
             count = self._failures.get(ino, (0, "", 0.0))[0] + 1
             self._failures[ino] = (count, repr(exc), trio.current_time())
-            self.schedule(ino, min(30.0, 2.0 ** count))
+            self.schedule(ino, PROMOTION_BACKOFF.delay(count))
         finally:
             self._active.discard(ino)
             self._deciding.discard(ino)
@@ -647,16 +655,18 @@ class Promoter:
         with trio.move_on_after(timeout):
             await self._progress.wait()
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         """The promotion queue: files and bytes not yet in the lake, deletes to
-        make, uploads running, and the age in seconds of the oldest change."""
+        make, uploads running, the age in seconds of the oldest change, and
+        why the last sync gave up (for ``aifs sync`` to say)."""
         pending = self.meta.pending_inodes()
         oldest = min((i.ctime for i in pending if i.ctime), default=None)
         return {"files": len(pending),
                 "bytes": sum(i.size for i in pending if i.pending & DATA),
                 "deletes": len(self.meta.tombstones()),
                 "uploading": len(self._active),
-                "oldest_age": round(max(0.0, time.time() - oldest), 3) if oldest else 0.0}
+                "oldest_age": round(max(0.0, time.time() - oldest), 3) if oldest else 0.0,
+                "error": self.sync_error}
 
     def _blocked_tombstones(self, tombs: dict[str, int]) -> set[str]:
         """Deletes that wait for a handle to close (and markers above them)."""
@@ -718,7 +728,8 @@ class Promoter:
             if stuck and failing == len(waiting) and (not tombs or deletes_stuck) \
                     and (not packing or stuck[0].startswith("packing")):
                 more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
-                raise LakeError(stuck[0] + more)
+                self.sync_error = stuck[0] + more
+                raise LakeError(self.sync_error)
             progress = self._progress
             with trio.move_on_after(1.0):
                 await progress.wait()

@@ -67,6 +67,11 @@ class RetryPolicy:
         raise AssertionError("unreachable")
 
 
+#: the pause before a failed promotion or pack is tried again (the same
+#: jittered backoff, in whole seconds: the data waits safely in the cache)
+PROMOTION_BACKOFF = RetryPolicy(base_delay=1.0, max_delay=60.0)
+
+
 class RetryingStore(ObjectStore):
     """``inner`` with every call retried under one :class:`RetryPolicy`."""
 
