@@ -79,6 +79,29 @@ def test_local_state_wins_over_listings(tmp_path):
     assert [i.ino for i in meta.pending_inodes()] == [new.ino]
 
 
+def test_a_listing_begun_before_an_entry_reached_the_lake_keeps_it(tmp_path):
+    """A LIST that started before a new directory's marker (or a new file)
+    landed, and is applied after its promotion settled, does not show it: the
+    entry must stay (it did not: lookup said ENOENT, then mkdir EEXIST)."""
+    import time
+
+    from aifs.meta.store import DATA, META, Inode
+    meta = MetaStore(tmp_path / "m")
+    made = time.time() - 10
+    d = meta.create(ROOT_INO, b"d", Inode(0, DIR, "d/", ROOT_INO, pending=META, ctime=made))
+    f = meta.create(ROOT_INO, b"f", Inode(0, FILE, "f", ROOT_INO, pending=DATA, ctime=made))
+    started = time.time()  # the LIST begins; then both promotions settle
+    meta.settle(d.ino, "d/", META)
+    meta.settle(f.ino, "f", DATA, etag='"new"', size=3)
+    removed, replaced = meta.apply_listing(ROOT_INO, [], started=started)
+    assert (removed, replaced) == ([], [])
+    assert meta.lookup(ROOT_INO, b"d").ino == d.ino
+    assert meta.lookup(ROOT_INO, b"f").etag == '"new"'
+    # a LIST that began after they landed is believed
+    removed, _ = meta.apply_listing(ROOT_INO, [], started=time.time() + 1)
+    assert sorted(removed) == sorted([d.ino, f.ino])
+
+
 def test_rename_rekeys_the_subtree(tmp_path):
     meta = MetaStore(tmp_path / "m")
     meta.apply_listing(ROOT_INO, [Listed("d", DIR, "d/")])

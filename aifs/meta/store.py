@@ -280,6 +280,7 @@ def _reserve(data_file: Path, size: int) -> None:
 
 class MetaStore:
     def __init__(self, path: Path, map_size: int = 1 << 36) -> None:
+        self._settled_at: dict[int, float] = {}  # ino -> when it reached the lake
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.env = self._open(path, map_size)
@@ -599,7 +600,17 @@ class MetaStore:
                 setattr(inode, name, value)
             inode.pending &= ~done
             self._put(txn, inode)
+            self._note_settled(ino)
         return inode
+
+    def _note_settled(self, ino: int) -> None:
+        """Remember when ``ino`` reached the lake (before its transaction
+        commits): a LIST that started before that may not show it yet, and
+        must not take it away (see apply_listing). In memory, pruned."""
+        now = time.time()
+        self._settled_at[ino] = now
+        if len(self._settled_at) > 100_000:
+            self._settled_at = {i: t for i, t in self._settled_at.items() if t > now - 600}
 
     def create(self, parent: int, name: bytes, inode: Inode, unclosed: bool = False) -> Inode:
         """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here.
@@ -900,7 +911,8 @@ class MetaStore:
                 value = existing.pop(name, None)
                 if value is not None:
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
-                    if current.pending or current.ctime >= started or current.links:
+                    if current.pending or current.ctime >= started or current.links \
+                            or self._settled_at.get(current.ino, 0.0) >= started:
                         continue  # (a hard-linked inode's names are this node's)
                     if current.kind == entry.kind or (current.kind == LINK
                                                       and entry.kind == FILE):
@@ -923,8 +935,9 @@ class MetaStore:
                 raw = txn.get(value[:8], db=self.inodes)
                 if raw:
                     current = Inode.decode(raw)
-                    if current.pending or current.ctime >= started:
-                        continue
+                    if current.pending or current.ctime >= started \
+                            or self._settled_at.get(current.ino, 0.0) >= started:
+                        continue  # in the lake since the LIST began, or not yet
                 removed.append(_U64x2.unpack(value[:16])[0])
                 self._remove(txn, parent, name, value, tomb=False)
             raw = txn.get(prefix, db=self.inodes)
