@@ -247,3 +247,21 @@ async def test_a_zero_metadata_ttl_lists_once_per_lookup_and_sees_new_objects(tm
             (lake / "d" / "new").write_bytes(b"from another node")
             assert (await filesystem.lookup(d.ino, b"new")).size == 17
         nursery.cancel_scope.cancel()
+
+
+async def test_an_empty_journal_directory_is_no_journal(tmp_path):
+    """The local lake lists an empty directory as a marker object: one under
+    .aifs/journal/ (the moment before the first journal lands, or a folder
+    made by hand) was fetched as a journal and failed every listing."""
+    lake = tmp_path / "lake"
+    (lake / ".aifs" / "journal").mkdir(parents=True)
+    (lake / "a").write_bytes(b"x")
+    config = Config(lake=f"file://{lake}", block_size=MiB, cache_size=64 * MiB)
+    filesystem = Filesystem(config, LocalStore(str(lake)), MetaStore(tmp_path / "meta"),
+                            BlockCache(tmp_path / "cache", config.cache_size),
+                            LocalFiles(tmp_path / "cache"))
+    async with trio.open_nursery() as nursery:
+        filesystem.start(nursery)
+        with trio.fail_after(10):
+            assert (await filesystem.lookup(ROOT_INO, b"a")).size == 1
+        nursery.cancel_scope.cancel()

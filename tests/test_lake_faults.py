@@ -145,11 +145,12 @@ async def _read(fs: Filesystem, path: str) -> bytes:
         fs.release(fh)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_the_filesystem_rides_out_injected_faults(tmp_path, seed):
+@pytest.mark.parametrize(("kinds", "seed"), [((kind,), 1) for kind in KINDS]
+                         + [(KINDS, seed) for seed in range(1, 6)])
+async def test_the_filesystem_rides_out_injected_faults(tmp_path, kinds, seed):
     """Writes, renames and deletes promoted (multipart, packs of small files)
-    through 20 % faults of every kind, then read on a fresh node through
-    them too: every byte right, no upload left."""
+    through 20 % faults of each kind and of all kinds mixed (5 seeds), then
+    read on a fresh node through them too: every byte right, no upload left."""
     lake = tmp_path / "lake"
     lake.mkdir()
     config = Config(lake=f"file://{lake}", block_size=MiB, cache_size=256 * MiB,
@@ -157,7 +158,7 @@ async def test_the_filesystem_rides_out_injected_faults(tmp_path, seed):
                     pack_wait=0.1, metadata_ttl=0)
 
     def node(name: str):
-        store, faults = faulty(LocalStore(str(lake)), seed)
+        store, faults = faulty(LocalStore(str(lake)), seed, kinds)
         return Filesystem(config, store, MetaStore(tmp_path / name / "meta"),
                           BlockCache(tmp_path / name / "cache", config.cache_size),
                           LocalFiles(tmp_path / name / "cache")), faults

@@ -119,7 +119,11 @@ class Journals:
                 listed_at = time.time_ns()
                 listed: dict[str, int] = {}
                 async for page in self.store.iter_list(JOURNAL_DIR, None):
-                    listed.update({obj.key: obj.size for obj in page.objects})
+                    # (a "directory" marker is no journal: an empty journal
+                    # directory of the local lake lists as one, and so does
+                    # a folder made in a cloud console)
+                    listed.update({obj.key: obj.size for obj in page.objects
+                                   if not obj.key.endswith("/")})
                 seen = self.index.seen(listed)
                 try:
                     vanished = await self._replay(sorted(set(listed) - seen), listed)
