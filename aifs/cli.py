@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from aifs import __version__
+from aifs import __version__, xattrs
 from aifs.errors import AifsError, ConfigError
 
 
@@ -196,7 +196,7 @@ def _mount_root(path: str) -> str:
     while not os.path.ismount(root):
         root = os.path.dirname(root)
     try:
-        os.getxattr(root, "user.aifs.pid")
+        os.getxattr(root, xattrs.PID)
     except OSError:
         raise AifsError(f"{path} is not in an aifs mount") from None
     return root
@@ -218,7 +218,7 @@ def _sync(path: str, quiet: bool = False) -> None:
 
     def run() -> None:
         try:
-            os.getxattr(path, "user.aifs.sync")
+            os.getxattr(path, xattrs.SYNC)
             outcome.append(None)
         except OSError as exc:
             outcome.append(exc)
@@ -232,7 +232,7 @@ def _sync(path: str, quiet: bool = False) -> None:
         if quiet or not worker.is_alive() or time.monotonic() < next_show:
             continue
         try:
-            line = _progress_line(json.loads(os.getxattr(root, "user.aifs.pending")))
+            line = _progress_line(json.loads(os.getxattr(root, xattrs.PENDING)))
         except (OSError, ValueError):
             continue
         if line != shown:
@@ -243,7 +243,7 @@ def _sync(path: str, quiet: bool = False) -> None:
     if error is not None:
         reason = error.strerror if isinstance(error, OSError) else str(error)
         try:  # the mount says why
-            reason = json.loads(os.getxattr(root, "user.aifs.pending")).get("error") or reason
+            reason = json.loads(os.getxattr(root, xattrs.PENDING)).get("error") or reason
         except (OSError, ValueError):
             pass
         raise AifsError(f"sync of {path} failed: {reason}; the changes stay in the local "
@@ -254,12 +254,12 @@ def _umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     pid = None
     try:
-        pid = int(os.getxattr(mountpoint, "user.aifs.pid"))
+        pid = int(os.getxattr(mountpoint, xattrs.PID))
     except (OSError, ValueError):
         pass
     if pid is not None:
         if args.no_flush:
-            os.setxattr(mountpoint, "user.aifs.unmount_flush", b"0")
+            os.setxattr(mountpoint, xattrs.UNMOUNT_FLUSH, b"0")
         else:
             _sync(mountpoint)
     # As root, umount(8) without helpers (-i: it may be the helper calling us)
@@ -287,14 +287,14 @@ def _status(args: argparse.Namespace) -> int:
 
     root = _mount_root(args.paths[0])
     try:
-        metrics = json.loads(os.getxattr(root, "user.aifs.metrics"))
+        metrics = json.loads(os.getxattr(root, xattrs.METRICS))
     except (OSError, ValueError) as exc:
         raise AifsError(f"cannot read the status of {root}: {exc}") from None
     paths = {}
     for path in args.paths:
         try:
-            paths[path] = {"state": os.getxattr(path, "user.aifs.state").decode(),
-                           "policy": os.getxattr(path, "user.aifs.policy").decode()}
+            paths[path] = {"state": os.getxattr(path, xattrs.STATE).decode(),
+                           "policy": os.getxattr(path, xattrs.POLICY).decode()}
         except OSError as exc:
             raise AifsError(f"{path}: {exc.strerror}") from None
     if args.json:
@@ -389,14 +389,14 @@ def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:
 
     def lake_bytes(root: str) -> int:
         try:
-            metrics = json.loads(os.getxattr(root, "user.aifs.metrics"))
+            metrics = json.loads(os.getxattr(root, xattrs.METRICS))
             return int(metrics["lake"]["read_bytes"])
         except (OSError, ValueError, KeyError):
             return 0
 
     def one(path: str) -> None:
         try:
-            result = json.loads(os.getxattr(path, "user.aifs.warmup"))
+            result = json.loads(os.getxattr(path, xattrs.WARMUP))
         except OSError as exc:
             errors.append(f"{path}: {exc.strerror}")
             return
@@ -445,7 +445,7 @@ def _pack(path: str, quiet: bool) -> int:
 
     def work() -> None:
         try:
-            outcome["result"] = json.loads(os.getxattr(path, "user.aifs.pack"))
+            outcome["result"] = json.loads(os.getxattr(path, xattrs.PACK))
         except OSError as exc:
             outcome["error"] = exc.strerror
 
@@ -457,7 +457,7 @@ def _pack(path: str, quiet: bool) -> int:
         if quiet:
             continue
         try:
-            now = json.loads(os.getxattr(root, "user.aifs.pack_progress"))
+            now = json.loads(os.getxattr(root, xattrs.PACK_PROGRESS))
         except (OSError, ValueError):
             continue
         total, done = now.get("files_total", 0), now.get("files_packed", 0)
@@ -480,7 +480,7 @@ def _gc(path: str) -> int:
 
     root = _mount_root(path)
     try:
-        result = json.loads(os.getxattr(root, "user.aifs.gc"))
+        result = json.loads(os.getxattr(root, xattrs.GC))
     except OSError as exc:
         raise AifsError(f"{path}: {exc.strerror} (see the mount's log)") from None
     print(f"aifs gc: {result['packs_compacted']} packs compacted "
@@ -499,7 +499,7 @@ def _pin(paths: list[str], on: bool) -> None:
     for path in paths:
         _mount_root(path)
         try:
-            os.setxattr(path, "user.aifs.pinned", b"1" if on else b"0")
+            os.setxattr(path, xattrs.PINNED, b"1" if on else b"0")
         except OSError as exc:
             raise AifsError(f"{path}: {exc.strerror}") from None
 

@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from aifs import xattrs
 from aifs.errors import ConfigError
 
 CHECKPOINT = "checkpoint"
@@ -38,7 +39,7 @@ DATASET = "dataset"
 WEIGHTS = "weights"
 DEFAULT = "default"
 POLICIES = (CHECKPOINT, DATASET, WEIGHTS, DEFAULT)
-POLICY_XATTR = "user.aifs.policy"
+POLICY_XATTR = xattrs.POLICY
 
 #: Directories that hold one checkpoint each (a retention unit).
 CHECKPOINT_DIRS = ("global_step*/", "iter_[0-9]*/", "checkpoint-*/", "tmp-checkpoint-*/",

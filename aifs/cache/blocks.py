@@ -38,12 +38,13 @@ from pathlib import Path
 
 import xxhash
 
+from aifs import xattrs
 from aifs.cache.direct import DirectWriter
 from aifs.policy import DATASET, POLICY_XATTR
 
 log = logging.getLogger(__name__)
 
-PINNED_XATTR = "user.aifs.pinned"
+PINNED_XATTR = xattrs.CACHE_CLASS
 REGULAR, DATASET_CLASS, PINNED = "regular", "dataset", "pinned"
 CLASSES = (REGULAR, DATASET_CLASS, PINNED)
 

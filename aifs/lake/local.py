@@ -20,14 +20,15 @@ from typing import TypeVar
 import trio
 import xxhash
 
+from aifs import xattrs
 from aifs.errors import BucketNotFound, InvalidKey, LakeError, ObjectNotFound, PreconditionFailed
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
 T = TypeVar("T")
 STAGING = ".aifs-uploads"
 TMP_PREFIX = ".aifs-tmp-"
-META_XATTR = "user.aifs.meta."
-MARKER_XATTR = "user.aifs.marker"  # a directory that is a marker object, not only a prefix
+META_XATTR = xattrs.LOCAL_META_PREFIX
+MARKER_XATTR = xattrs.LOCAL_MARKER
 PAGE = 1000
 
 
