@@ -161,6 +161,22 @@ class Checkpoints:
     def is_marker(self, inode: Inode) -> bool:
         return self.policies.is_marker(path_of(inode)) and self.is_checkpoint(inode)
 
+    def is_shard(self, inode: Inode) -> bool:
+        """Whether ``inode`` is part of a checkpoint laid out as several files:
+        under a checkpoint directory (``global_step*/``, ...), a DCP ``*.distcp``
+        file, or under a directory (or itself) given the checkpoint policy by
+        xattr. A lone ``*.pt`` elsewhere is a file like any other (it may be a
+        dataset's sample), whatever its name."""
+        if not self.is_checkpoint(inode):
+            return False
+        path = path_of(inode)
+        if self.policies.unit_of(path) != path:
+            return True
+        explicit = _own_policy(inode)
+        if explicit is None and inode.ino != ROOT_INO:
+            explicit = self._from_directories(inode.parent, id(self._policy_cache), _own_policy)
+        return explicit == CHECKPOINT
+
     # -- publication order ------------------------------------------------------
     def wait_before_promoting(self, inode: Inode, force: bool) -> float:
         """0 if ``inode`` may go to the lake now, else seconds to wait

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import trio
 
+from aifs import xattrs
 from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.cache.files import EVICT_FIRST, LocalFiles
 from aifs.checkpoint import Checkpoints
@@ -61,7 +62,7 @@ from aifs.meta.store import (
     valid_name,
 )
 from aifs.metrics import Metrics
-from aifs.policy import DATASET, DEFAULT, POLICIES, POLICY_XATTR, WEIGHTS
+from aifs.policy import DATASET, POLICIES, POLICY_XATTR, WEIGHTS
 from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify
 from aifs.read.readahead import Readahead
 
@@ -69,19 +70,20 @@ log = logging.getLogger(__name__)
 
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
-XATTR_PREFIX = b"user.aifs."
-SYNC_XATTR = b"user.aifs.sync"
-PENDING_XATTR = b"user.aifs.pending"
-METRICS_XATTR = b"user.aifs.metrics"
-WARMUP_XATTR = b"user.aifs.warmup"  # reading it fetches the file into the cache
-PACK_XATTR = b"user.aifs.pack"  # of a directory: reading it packs its objects (aifs pack)
+# control xattrs (the table and what each does: aifs/xattrs.py), as the kernel sends them
+XATTR_PREFIX = xattrs.PREFIX.encode()
+SYNC_XATTR = xattrs.SYNC.encode()
+PENDING_XATTR = xattrs.PENDING.encode()
+METRICS_XATTR = xattrs.METRICS.encode()
+WARMUP_XATTR = xattrs.WARMUP.encode()
+PACK_XATTR = xattrs.PACK.encode()
 DISK_FULL_WAIT = 30.0  # seconds a write waits on a full cache disk for promotion
 DISK_FULL_EVICT = 64 << 20  # bytes of clean data evicted at least when the disk is full
-GC_XATTR = b"user.aifs.gc"  # reading it compacts and collects packs (aifs gc)
-PACK_PROGRESS_XATTR = b"user.aifs.pack_progress"
+GC_XATTR = xattrs.GC.encode()
+PACK_PROGRESS_XATTR = xattrs.PACK_PROGRESS.encode()
 ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the second read
-PINNED_XATTR = b"user.aifs.pinned"  # "1": kept in the cache (node-local)
-UNMOUNT_FLUSH_XATTR = b"user.aifs.unmount_flush"
+PINNED_XATTR = xattrs.PINNED.encode()
+UNMOUNT_FLUSH_XATTR = xattrs.UNMOUNT_FLUSH.encode()
 PATH_MAX = 4096
 HEADS_AT_ONCE = 32  # attribute reads of one readdir batch in flight
 RENAME_NOREPLACE = 1
@@ -1445,11 +1447,12 @@ class Filesystem:
         return self._changes.get(ino, 0)
 
     def packable(self, inode: Inode) -> bool:
-        """Whether a file goes to the lake in a pack: small, a dataset or
-        default file (checkpoints, their markers and weights get objects)."""
+        """Whether a file goes to the lake in a pack: small, by size and not by
+        name (small ``*.bin``, ``*.pt`` or extension-less files pack too);
+        checkpoint shards and their markers get objects of their own."""
         return (inode.kind == FILE and inode.size < self.packer.threshold
                 and not inode.links and not self.promoter.streams.active(inode.ino)
-                and self.checkpoints.policy_of(inode) in (DATASET, DEFAULT)
+                and not self.checkpoints.is_shard(inode)
                 and not self.checkpoints.is_marker(inode))
 
     def wait_before_promoting(self, inode: Inode, force: bool) -> float:
@@ -1533,20 +1536,20 @@ class Filesystem:
         out: dict[bytes, Callable[[], bytes]] = {
             name.encode("utf-8", "surrogateescape"): functools.partial(base64.b64decode, value)
             for name, value in inode.xattrs.items()}
-        out[b"user.aifs.key"] = lambda: inode.key.encode("utf-8", "surrogateescape")
+        out[xattrs.KEY.encode()] = lambda: inode.key.encode("utf-8", "surrogateescape")
         if not inode.is_dir:
-            out[b"user.aifs.etag"] = inode.etag.encode
+            out[xattrs.ETAG.encode()] = inode.etag.encode
             if inode.packed:
-                out[b"user.aifs.pack"] = f"{inode.pack}@{inode.pack_offset}".encode
-            out[b"user.aifs.cached_bytes"] = lambda: str(self._cached_bytes(inode)).encode()
-        out[b"user.aifs.state"] = lambda: self.checkpoints.state(
+                out[PACK_XATTR] = f"{inode.pack}@{inode.pack_offset}".encode
+            out[xattrs.CACHED_BYTES.encode()] = lambda: str(self._cached_bytes(inode)).encode()
+        out[xattrs.STATE.encode()] = lambda: self.checkpoints.state(
             inode, self.promoter.progress, self._with_written).encode()
-        out[POLICY_XATTR.encode()] = lambda: self.checkpoints.policy_of(inode).encode()
+        out[xattrs.POLICY.encode()] = lambda: self.checkpoints.policy_of(inode).encode()
         out[PINNED_XATTR] = lambda: b"1" if self.checkpoints.is_pinned(inode) else b"0"
         if ino == ROOT_INO:
-            out[b"user.aifs.lake"] = self.config.resolved_lake().encode
-            out[b"user.aifs.pid"] = str(os.getpid()).encode
-            out[b"user.aifs.stats"] = lambda: json.dumps(self.stats()).encode()
+            out[xattrs.LAKE.encode()] = self.config.resolved_lake().encode
+            out[xattrs.PID.encode()] = str(os.getpid()).encode
+            out[xattrs.STATS.encode()] = lambda: json.dumps(self.stats()).encode()
             out[PENDING_XATTR] = lambda: json.dumps(self.promoter.summary()).encode()
             out[METRICS_XATTR] = lambda: json.dumps(self.metrics.snapshot()).encode()
             out[PACK_PROGRESS_XATTR] = lambda: json.dumps(

@@ -101,6 +101,35 @@ def test_twenty_thousand_small_files_reach_a_second_mount(lake, mounter, aifs_cl
         f"{stats['lake_gets']} GETs to read {len(files)} packed files"
 
 
+def test_small_files_pack_by_size_not_by_name(lake, mounter, aifs_cli):
+    """Small ``*.bin``, ``*.pt`` and extension-less files go into packs like
+    any small file (the weights policy is about readahead, not storage);
+    checkpoint shards (in a checkpoint directory, or one given the policy by
+    xattr) and their markers keep objects of their own."""
+    rng = random.Random(3)
+    files = {f"data/s{i:03d}{ext}": rng.randbytes(16 * KiB)
+             for i in range(30) for ext in (".bin", ".pt", "")}
+    ckpt = {"ckpt/global_step10/mp_rank_00_model_states.pt": rng.randbytes(32 * KiB),
+            "ckpt/latest": b"global_step10", "mine/shard-0": rng.randbytes(8 * KiB)}
+    mount = mounter(lake, "--pack-wait", "0.2", name="a")
+    (mount.path / "mine").mkdir()
+    os.setxattr(mount.path / "mine", "user.aifs.policy", b"checkpoint")  # by choice
+    write_files(mount.path, files)
+    write_files(mount.path, {k: v for k, v in ckpt.items() if not k.endswith("latest")},
+                threads=1)
+    (mount.path / "ckpt/latest").write_bytes(ckpt["ckpt/latest"])
+    sync(aifs_cli, mount.path)
+    plain, packs, _ = lake_layout(lake)
+    assert sorted(plain) == sorted(ckpt), f"stored as objects of their own: {plain[:8]}"
+    assert 1 <= len(packs) <= 3, f"{len(packs)} packs (PUTs) for {len(files)} small files"
+    assert set(lake_packed(lake)) == set(files)
+    for name, data in ckpt.items():
+        assert lake_digest(lake, name) == digest(data), name
+    reader = mounter(lake, name="reader")
+    got = read_digests(reader.path, sorted(files))
+    assert all(got[n] == digest(d) for n, d in files.items())
+
+
 def test_changes_to_packed_files_show_in_a_second_mount(lake, mounter, aifs_cli):
     """Overwrite, rename, unlink, chmod and growth past the threshold of packed
     files, and a rename of their directory, show in a second mount after the TTL."""
