@@ -582,9 +582,16 @@ def lake_upload_parts(lake: Lake) -> int:
     if lake.server:
         client = lake.server.client
         uploads = client.list_multipart_uploads(Bucket=lake.bucket).get("Uploads", [])
-        return sum(len(client.list_parts(Bucket=lake.bucket, Key=u["Key"],
-                                         UploadId=u["UploadId"]).get("Parts", []))
-                   for u in uploads)
+        parts = 0
+        for upload in uploads:
+            try:
+                parts += len(client.list_parts(Bucket=lake.bucket, Key=upload["Key"],
+                                               UploadId=upload["UploadId"]).get("Parts", []))
+            except client.exceptions.ClientError as exc:
+                # completed or aborted since the listing (Ceph RGW says NoSuchKey)
+                if exc.response["Error"]["Code"] not in ("NoSuchUpload", "NoSuchKey"):
+                    raise
+        return parts
     assert lake.root is not None
     staging = lake.root / LOCAL_STAGING
     return sum(1 for part in staging.glob("*/part-*")) if staging.is_dir() else 0

@@ -108,10 +108,13 @@ def _workload(root: Path, seed: int) -> dict[str, bytes]:
 
 
 MOUNT_SEEDS = [int(x) for x in os.environ.get("AIFS_FAULT_SEEDS", "11,12").split(",")]
+#: "mixed" (all kinds at once), or kinds one at a time: AIFS_FAULT_KINDS=before,after,truncate
+MOUNT_KINDS = [(KINDS, "mixed") if k == "mixed" else ((k,), k)
+               for k in os.environ.get("AIFS_FAULT_KINDS", "mixed").split(",")]
 
 
-@pytest.mark.parametrize("proxied", [pytest.param(("moto", seed, KINDS), id=f"moto-mixed-{seed}")
-                                     for seed in MOUNT_SEEDS]
+@pytest.mark.parametrize("proxied", [pytest.param(("moto", seed, kinds), id=f"moto-{name}-{seed}")
+                                     for kinds, name in MOUNT_KINDS for seed in MOUNT_SEEDS]
                          + [pytest.param(("ceph", MOUNT_SEEDS[0], KINDS),
                                          id=f"ceph-mixed-{MOUNT_SEEDS[0]}")], indirect=True)
 def test_a_mount_under_faults_loses_nothing_and_leaves_no_uploads(proxied, mounter,
