@@ -42,7 +42,7 @@ from aifs.flush.promoter import Promoter
 from aifs.flush.stream import StreamTarget
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
-from aifs.meta.objattrs import MAX_XATTR_BYTES, apply_metadata, encode_xattrs, kind_of, st_mode
+from aifs.meta.objattrs import MAX_XATTR_BYTES, encode_xattrs, kind_of, st_mode
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.packindex import deletion, is_packed_at, pack_key
 from aifs.meta.store import (
@@ -63,6 +63,7 @@ from aifs.meta.store import (
 )
 from aifs.metrics import Metrics
 from aifs.policy import DATASET, POLICIES, POLICY_XATTR, WEIGHTS
+from aifs.read.attrs import ObjectAttributes
 from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify
 from aifs.read.readahead import Readahead
 
@@ -85,7 +86,6 @@ ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the secon
 PINNED_XATTR = xattrs.PINNED.encode()
 UNMOUNT_FLUSH_XATTR = xattrs.UNMOUNT_FLUSH.encode()
 PATH_MAX = 4096
-HEADS_AT_ONCE = 32  # attribute reads of one readdir batch in flight
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 COPY_CONCURRENCY = 16
@@ -168,6 +168,8 @@ class Filesystem:
                                        hurry=lambda ino: self.promoter.promote_soon(ino),
                                        clock=clock)
         self.lookups: dict[int, int] = {}
+        self.object_attrs = ObjectAttributes(meta, self.store, config,
+                                            known_to_kernel=lambda ino: bool(self.lookups.get(ino)))
         self.files: dict[int, OpenFile] = {}
         self.dirs: dict[int, int] = {}
         self._handles = itertools.count(1)
@@ -205,6 +207,7 @@ class Filesystem:
     def start(self, nursery: trio.Nursery) -> None:
         self.local.start_spares()
         self.fetcher.start(nursery)
+        self.object_attrs.start(nursery)
         nursery.start_soon(self.promoter.run)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self._save_dir_times_now_and_then)
@@ -311,29 +314,7 @@ class Filesystem:
 
     async def _load_attrs(self, inode: Inode, may_change_kind: bool) -> Inode:
         """Read an object's POSIX attributes from its metadata (one HEAD, once)."""
-        if inode.attrs_known or inode.pending or not self.config.object_attrs:
-            return inode
-        try:
-            info = await self.store.head(inode.key) if inode.key else None
-        except ObjectNotFound:
-            info = None  # an implicit directory, or an object gone meanwhile
-        kind = inode.kind
-        if info is not None:
-            apply_metadata(inode, info.metadata)
-        current = self.meta.get(inode.ino)
-        if current is None or current.pending or current.etag != inode.etag:
-            return current or inode  # changed while we asked: keep the newer state
-        inode.attrs_known = True
-        if inode.kind != kind:
-            if not may_change_kind:
-                inode.kind = kind  # known to the kernel as it was; a lookup fixes it
-                inode.attrs_known = False
-                return inode
-            return self.meta.reincarnate(inode)
-        if inode.link_id and may_change_kind:  # a name of a hard-linked file
-            return self.meta.join_link_group(inode)
-        self.meta.put(inode)
-        return inode
+        return await self.object_attrs.load(inode, may_change_kind)
 
     # -- directory listings -------------------------------------------------
     def _fresh(self, directory: Inode) -> bool:
@@ -499,7 +480,7 @@ class Filesystem:
             await self._ensure_listed(directory)
             child = self.meta.lookup(parent, name)
             if child is not None:
-                child = await self._load_attrs(child, may_change_kind=True)
+                child = await self.object_attrs.of_entry(parent, name, child)
                 child = self._inode(child.ino)
         if child is not None:
             self.remember(child.ino)
@@ -571,17 +552,15 @@ class Filesystem:
             raise FsError(errno.EBADF)
         batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
         for _ in range(3):  # entries that move up into the batch are looked at too
-            unknown = [inode for _, _, inode in batch if self._type_unknown(inode)]
+            unknown = [inode for _, _, inode in batch if self.object_attrs.type_unknown(inode)]
             if not unknown:
                 break
-            limiter = trio.CapacityLimiter(HEADS_AT_ONCE)
 
-            async def load(inode: Inode, limiter: trio.CapacityLimiter = limiter) -> None:
-                async with limiter:
-                    try:
-                        await self._load_attrs(inode, may_change_kind=True)
-                    except LakeError as exc:  # listed as a file; a lookup tries again
-                        log.warning("attributes of %s: %s", inode.key, exc)
+            async def load(inode: Inode) -> None:
+                try:
+                    await self._load_attrs(inode, may_change_kind=True)
+                except LakeError as exc:  # listed as a file; a lookup tries again
+                    log.warning("attributes of %s: %s", inode.key, exc)
 
             async with trio.open_nursery() as nursery:
                 for inode in unknown:
@@ -597,12 +576,6 @@ class Filesystem:
             out.append((2, b"..", self._with_written(parent or directory)))
         out += [(cookie + 2, name, self._with_written(inode)) for cookie, name, inode in batch]
         return out
-
-    def _type_unknown(self, inode: Inode) -> bool:
-        """Whether a listed object may be other than a regular file."""
-        return (inode.kind == FILE and not inode.attrs_known and not inode.pending
-                and not inode.packed and inode.in_lake and inode.size <= PATH_MAX
-                and self.config.object_attrs)
 
     def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)

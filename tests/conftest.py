@@ -152,15 +152,20 @@ class Lake:
         self.bucket = bucket
         self.prefix = prefix
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, meta: dict[str, str] | None = None) -> None:
+        """Write an object as another tool would (``meta``: its user metadata,
+        e.g. s3fs's ``mode``)."""
         if self.server:
-            self.server.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+            self.server.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data,
+                                          Metadata=meta or {})
             return
         assert self.root is not None
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".put-{uuid.uuid4().hex}"
         tmp.write_bytes(data)
+        for name, value in (meta or {}).items():  # where the local lake keeps metadata
+            os.setxattr(tmp, "user.aifs.meta." + name, value.encode())
         os.rename(tmp, path)  # atomic, like an object PUT
 
     def put_many(self, items: dict[str, bytes], threads: int = 16) -> None:

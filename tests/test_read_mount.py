@@ -9,6 +9,7 @@ import os
 import random
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import xxhash
@@ -132,6 +133,34 @@ def test_many_objects_list_completely(lake, mounter):
     with os.scandir(mount.path / "many") as it:
         sizes = {entry.name: entry.stat().st_size for entry in it}
     assert len(sizes) == count
+
+
+def lake_requests(path) -> dict[str, int]:
+    return json.loads(os.getxattr(path, "user.aifs.metrics"))["lake"]["requests"]
+
+
+def test_a_walk_reads_the_attributes_ahead_once_each(lake, mounter):
+    """A fresh node walks objects another tool wrote with s3fs attributes: the
+    first lstat starts reading the attributes of the entries after it, many at
+    once, so the walk does not wait for one HEAD per file in turn; every
+    object is asked once and every lstat shows its own mode."""
+    count = 600
+    modes = {f"o{i:04d}": (0o600, 0o640, 0o755)[i % 3] for i in range(count)}
+    body = b"x" * 5000  # larger than a symlink can be: readdir asks nothing
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kv: lake.put(f"w/{kv[0]}", body,
+                                          {"mode": str(stat.S_IFREG | kv[1])}), modes.items()))
+    mount = mounter(lake)
+    names = sorted(os.listdir(mount.path / "w"))
+    assert names == sorted(modes)
+    before = lake_requests(mount.path)["HeadObject"]
+    assert stat.S_IMODE(os.lstat(mount.path / "w" / names[0]).st_mode) == modes[names[0]]
+    # no other lookup: the attributes of the next entries come by themselves
+    wait_for(lambda: lake_requests(mount.path)["HeadObject"] - before >= 200, 30,
+             "the attributes of the next entries to be read")
+    for name in names:
+        assert stat.S_IMODE(os.lstat(mount.path / "w" / name).st_mode) == modes[name], name
+    assert lake_requests(mount.path)["HeadObject"] - before == count  # one each
 
 
 def test_xattrs_are_facts(lake, mounter):

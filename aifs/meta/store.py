@@ -352,6 +352,12 @@ class MetaStore:
             raw = txn.get(value[:8], db=self.inodes)
         return Inode.decode(raw) if raw else None
 
+    def cookie_of(self, parent: int, name: bytes) -> int | None:
+        """The readdir cookie of entry ``name`` of ``parent`` (None: no such entry)."""
+        with self.env.begin() as txn:
+            value = txn.get(u64(parent) + name, db=self.dentries)
+        return _U64x2.unpack(value[:16])[1] if value else None
+
     def exists(self, parent: int, name: bytes) -> bool:
         with self.env.begin() as txn:
             return txn.get(u64(parent) + name, db=self.dentries) is not None

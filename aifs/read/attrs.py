@@ -1,0 +1,143 @@
+"""POSIX attributes of listed objects, read from their metadata (one HEAD
+each, once), ahead of the lookups that need them.
+
+LIST gives a key's size, ETag and mtime, not its mode, owner, times, symlink
+target or xattrs: those live in the object's user metadata (s3fs's names,
+:mod:`aifs.meta.objattrs`). A walk of a directory another tool wrote would
+then wait for one HEAD per ``lstat``, one after the other, since the kernel
+looks names up one at a time. So a lookup that needs the attributes of one
+entry starts reading those of the entries after it in the listing (the order
+a walk, ``ls -l`` or a sorted reader goes in), many at once, and waits only
+for its own; the lookups that follow find theirs read or in flight. One
+HEAD per key at a time: a lookup of an entry in flight joins it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from aifs.config import Config
+from aifs.errors import LakeError, ObjectNotFound
+from aifs.lake.base import ObjectStore
+from aifs.meta.objattrs import apply_metadata
+from aifs.meta.store import FILE, Inode, MetaStore
+
+log = logging.getLogger(__name__)
+
+HEADS_AT_ONCE = 32  # attribute reads in flight, per mount
+AHEAD = 256  # entries after a looked-up one whose attributes are read ahead
+PATH_MAX = 4096
+
+
+class ObjectAttributes:
+    def __init__(self, meta: MetaStore, store: ObjectStore, config: Config,
+                 known_to_kernel: Callable[[int], bool]) -> None:
+        self.meta = meta
+        self.store = store
+        self.config = config
+        self.known_to_kernel = known_to_kernel
+        self._limiter = trio.CapacityLimiter(HEADS_AT_ONCE)
+        self._in_flight: dict[int, trio.Event] = {}
+        self._frontier: dict[int, int] = {}  # directory -> last cookie read ahead
+        self._nursery: trio.Nursery | None = None
+        self.read_ahead = 0  # attribute reads started ahead of a lookup (stats)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    def unknown(self, inode: Inode) -> bool:
+        """Whether ``inode``'s attributes are still to be read from the lake."""
+        return (not inode.attrs_known and not inode.pending and not inode.orphan
+                and bool(inode.key) and self.config.object_attrs)
+
+    def type_unknown(self, inode: Inode) -> bool:
+        """Whether a listed object may be other than a regular file (symlinks,
+        FIFOs, sockets and devices are small objects: at most PATH_MAX bytes)."""
+        return (inode.kind == FILE and self.unknown(inode) and not inode.packed
+                and inode.in_lake and inode.size <= PATH_MAX)
+
+    async def of_entry(self, parent: int, name: bytes, child: Inode) -> Inode:
+        """``child`` (entry ``name`` of ``parent``) with its attributes read,
+        those of the entries after it started too."""
+        if not self.unknown(child):
+            return child
+        self._read_ahead(parent, name)
+        return await self.load(child, may_change_kind=True)
+
+    async def load(self, inode: Inode, may_change_kind: bool) -> Inode:
+        """``inode`` with its attributes read (joining a read in flight)."""
+        if not self.unknown(inode):
+            return inode
+        flight = self._in_flight.get(inode.ino)
+        if flight is not None:
+            await flight.wait()
+            current = self.meta.get(inode.ino)
+            if current is None or not self.unknown(current):
+                return current or inode
+            inode = current  # that read failed: this one tries again, and says why
+        done = self._in_flight[inode.ino] = trio.Event()
+        try:
+            async with self._limiter:
+                return await self._read(inode, may_change_kind)
+        finally:
+            del self._in_flight[inode.ino]
+            done.set()
+
+    async def _read(self, inode: Inode, may_change_kind: bool) -> Inode:
+        try:
+            info = await self.store.head(inode.key)
+        except ObjectNotFound:
+            info = None  # an implicit directory, or an object gone meanwhile
+        kind = inode.kind
+        if info is not None:
+            apply_metadata(inode, info.metadata)
+        current = self.meta.get(inode.ino)
+        if current is None or current.pending or current.etag != inode.etag:
+            return current or inode  # changed while we asked: keep the newer state
+        inode.attrs_known = True
+        if inode.kind != kind:
+            if not may_change_kind:
+                inode.kind = kind  # known to the kernel as it was; a lookup fixes it
+                inode.attrs_known = False
+                return inode
+            return self.meta.reincarnate(inode)
+        if inode.link_id and may_change_kind:  # a name of a hard-linked file
+            return self.meta.join_link_group(inode)
+        self.meta.put(inode)
+        return inode
+
+    def _read_ahead(self, parent: int, name: bytes) -> None:
+        """Start reading the attributes of up to AHEAD entries from ``name`` on,
+        unless they were started already (a walk extends its window as it
+        goes; a lookup elsewhere in the directory starts a new one)."""
+        if self._nursery is None:
+            return
+        cookie = self.meta.cookie_of(parent, name)
+        if cookie is None:
+            return
+        frontier = self._frontier.get(parent, -1)
+        if cookie > frontier:
+            start = cookie - 1  # a new window, from this entry on
+        elif cookie > frontier - AHEAD // 2:
+            start = frontier  # near the end of the window: extend it
+        else:
+            return  # inside the window read ahead already
+        batch = self.meta.readdir(parent, start, AHEAD)
+        if not batch:
+            return
+        if len(self._frontier) > 10_000:
+            self._frontier.clear()
+        self._frontier[parent] = batch[-1][0]
+        for _, _, inode in batch:
+            if self.unknown(inode) and inode.ino not in self._in_flight:
+                self.read_ahead += 1
+                self._nursery.start_soon(self._ahead_one, inode)
+
+    async def _ahead_one(self, inode: Inode) -> None:
+        try:
+            await self.load(inode, may_change_kind=not self.known_to_kernel(inode.ino))
+        except LakeError as exc:  # the lookup that needs it tries again, and says why
+            log.debug("attributes of %s, read ahead: %s", inode.key, exc)
