@@ -199,6 +199,7 @@ class Filesystem:
         self.read_requests = 0
         self.read_bytes = 0
         self.local_reads = 0  # reads answered from a whole local copy
+        self.lookup_requests = 0
         local.in_use = self.is_open
         cache.others = lambda: local.used
         self.fetcher.make_room = self._room_for_blocks
@@ -469,6 +470,7 @@ class Filesystem:
 
     async def lookup(self, parent: int, name: bytes) -> Inode | None:
         """The child, with one more kernel reference; None if there is none."""
+        self.lookup_requests += 1
         directory = self._directory(parent)
         if name == b".":
             child: Inode | None = directory

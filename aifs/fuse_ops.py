@@ -80,7 +80,7 @@ class Operations(pyfuse3.Operations):
         entry.st_mtime_ns = a.mtime_ns
         entry.st_atime_ns = a.atime_ns
         entry.st_ctime_ns = a.ctime_ns
-        if not inode.attrs_known:
+        if self.fs.object_attrs.unknown(inode):
             # Ask again: a lookup reads the object's own attributes (and type) first.
             entry.attr_timeout = entry.entry_timeout = 0
         return entry

@@ -139,7 +139,7 @@ class Metrics:
             "fs": {
                 "read_requests": fs.read_requests, "read_bytes": fs.read_bytes,
                 "write_requests": fs.write_requests, "write_bytes": fs.write_bytes,
-                "open_files": len(fs.files),
+                "lookup_requests": fs.lookup_requests, "open_files": len(fs.files),
             },
             "throughput": self.rates(),
         }
@@ -204,6 +204,9 @@ _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
      lambda s: s["lake"]["written_bytes"]),
     ("aifs_fs_read_requests_total", "counter", "Read requests from the kernel.", "",
      lambda s: s["fs"]["read_requests"]),
+    ("aifs_fs_lookup_requests_total", "counter", "Name lookups from the kernel (the entries "
+     "of a listing come with their attributes; a walk that needs none is a good sign).", "",
+     lambda s: s["fs"]["lookup_requests"]),
     ("aifs_fs_read_bytes_total", "counter", "Bytes read through the mount.", "",
      lambda s: s["fs"]["read_bytes"]),
     ("aifs_fs_write_requests_total", "counter", "Write requests from the kernel.", "",

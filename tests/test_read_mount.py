@@ -163,6 +163,27 @@ def test_a_walk_reads_the_attributes_ahead_once_each(lake, mounter):
     assert lake_requests(mount.path)["HeadObject"] - before == count  # one each
 
 
+def test_a_walk_trusting_listings_needs_no_lookup_per_file(lake, mounter):
+    """With object_attrs false, a listing's entries go to the kernel with
+    their attributes (readdirplus) for the TTL: a walk + lstat makes no
+    lookup per file and no HEAD."""
+    count = 300
+    lake.put_many({f"w/o{i:04d}": b"x" * 5000 for i in range(count)})
+    mount = mounter(lake, "--object-attrs", "false")
+
+    def fs_metrics() -> tuple[int, int]:
+        m = json.loads(os.getxattr(mount.path, "user.aifs.metrics"))
+        return m["fs"]["lookup_requests"], m["lake"]["requests"]["HeadObject"]
+
+    before = fs_metrics()
+    with os.scandir(mount.path / "w") as it:
+        sizes = [os.lstat(entry.path).st_size for entry in it]
+    assert sizes == [5000] * count
+    lookups, heads = (a - b for a, b in zip(fs_metrics(), before, strict=True))
+    assert heads == 0
+    assert lookups < count // 10, f"{lookups} lookups for a walk of {count} files"
+
+
 def test_xattrs_are_facts(lake, mounter):
     lake.put("d/f.bin", b"x" * 1000)
     mount = mounter(lake)
