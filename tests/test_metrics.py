@@ -44,8 +44,8 @@ def test_prometheus_text_is_well_formed():
         "lake": {"requests": {"GetObject": 4}, "errors": {"GetObject": 0},
                  "request_seconds": {"GetObject": 0.5}, "retries": 0, "read_bytes": 4,
                  "written_bytes": 9},
-        "fs": {"read_requests": 1, "read_bytes": 4, "write_requests": 1, "write_bytes": 9,
-               "open_files": 0},
+        "fs": {"read_requests": 1, "lookup_requests": 3, "read_bytes": 4, "write_requests": 1,
+               "write_bytes": 9, "open_files": 0},
     }
     text = prometheus_text(snapshot)
     families = re.findall(r"^# TYPE (\S+) (counter|gauge)$", text, re.M)
