@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import random
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -85,13 +85,18 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
+        # selectors, not select.select: a test process may hold fds past
+        # FD_SETSIZE (1,024), which select() cannot watch
+        watch = selectors.DefaultSelector()
         try:
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             fault: str | None = None
             phase = "idle"  # then "request" (client sending), "reply" (server sending)
             sent = cut = 0  # reply bytes passed on; where a truncated reply ends
+            watch.register(client, selectors.EVENT_READ)
+            watch.register(upstream, selectors.EVENT_READ)
             while True:
-                ready, _, _ = select.select([client, upstream], [], [], 60)
+                ready = [key.fileobj for key, _ in watch.select(60)]
                 if not ready:
                     return
                 if client in ready:
@@ -123,6 +128,7 @@ class FaultProxy:
         except OSError:
             pass
         finally:
+            watch.close()
             if upstream is not None:
                 upstream.close()
             try:

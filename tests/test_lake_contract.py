@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -20,11 +21,13 @@ from aifs.lake.base import ObjectStore
 
 
 @pytest.fixture
-def store(lake, monkeypatch) -> ObjectStore:
+async def store(lake, monkeypatch) -> AsyncIterator[ObjectStore]:
     for name, value in lake.env.items():
         monkeypatch.setenv(name, value)
     endpoint = lake.server.endpoint if lake.server else ""
-    return open_store(Config(lake=lake.url, endpoint_url=endpoint, retries=2))
+    store = open_store(Config(lake=lake.url, endpoint_url=endpoint, retries=2))
+    yield store
+    await store.aclose()
 
 
 async def test_put_head_get(store, lake):
@@ -38,6 +41,21 @@ async def test_put_head_get(store, lake):
     assert await store.get_range("a/b.bin", 8, 100) == b"89"
     assert await store.get_range("a/b.bin", 10, 5) == b""
     assert lake.get("a/b.bin") == b"0123456789"
+
+
+async def test_keys_that_need_quoting(store, lake):
+    """Keys with spaces, reserved and non-ASCII characters: the same object
+    whichever way it is asked for (signed requests quote them right)."""
+    keys = ["odd/a b+c%20~!$&'()*,;=@.bin", "odd/ü/日本語 ", "odd/q?x=1#frag"]
+    for i, key in enumerate(keys):
+        await store.put(key, b"data %d" % i, {"mode": "33261"})
+    for i, key in enumerate(keys):
+        head = await store.head(key)
+        assert (head.key, head.size, head.metadata.get("mode")) == (key, 6, "33261")
+        assert await store.get_range(key, 0, 6, if_match=head.etag) == b"data %d" % i
+        assert lake.get(key) == b"data %d" % i
+    page = await store.list_page("odd/", None)
+    assert sorted(o.key for o in page.objects) == sorted(keys)
 
 
 async def test_missing_object(store):
@@ -141,6 +159,10 @@ async def test_unreachable_endpoint_is_transient_and_clear(monkeypatch):
                               retries=2, request_timeout=2))
     with pytest.raises(LakeUnavailable, match="cannot reach http://127.0.0.1:9"):
         await store.check()
+    with pytest.raises(LakeUnavailable, match="cannot reach http://127.0.0.1:9"):
+        await store.head("x")
+    with pytest.raises(LakeUnavailable, match="cannot reach http://127.0.0.1:9"):
+        await store.get_range("x", 0, 1)
 
 
 async def test_bad_credentials(s3_lake, monkeypatch):
@@ -152,3 +174,7 @@ async def test_bad_credentials(s3_lake, monkeypatch):
                               retries=1))
     with pytest.raises(AccessDenied):
         await store.check()
+    with pytest.raises(AccessDenied):
+        await store.head("anything")
+    with pytest.raises(AccessDenied):
+        await store.get_range("anything", 0, 1)

@@ -44,11 +44,13 @@ def faulty(inner, seed: int, kinds=KINDS, rate: float = RATE):
 
 
 @pytest.fixture
-def base_store(lake, monkeypatch):
+async def base_store(lake, monkeypatch):
     for name, value in lake.env.items():
         monkeypatch.setenv(name, value)
     endpoint = lake.server.endpoint if lake.server else ""
-    return open_store(Config(lake=lake.url, endpoint_url=endpoint)).inner
+    store = open_store(Config(lake=lake.url, endpoint_url=endpoint)).inner
+    yield store
+    await store.aclose()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -31,6 +31,7 @@ from aifs.errors import (
     PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
+from aifs.lake.s3http import SignedHTTP
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +75,12 @@ class S3Store(ObjectStore):
             region_name=region or session.region_name or "us-east-1", config=config)
         endpoint = self.client.meta.endpoint_url
         self.description = f"s3://{bucket}/{self.prefix} at {endpoint}"
+        # HEAD and GET, the per-file calls, skip botocore's machinery where the
+        # URL is plain (path style, an explicit endpoint): see s3http.py
+        credentials = session.get_credentials()
+        self.http = SignedHTTP(endpoint, bucket, self.client.meta.region_name, credentials,
+                               max_connections, timeout, None) \
+            if path_style and endpoint_url and credentials is not None else None
 
     # -- plumbing -------------------------------------------------------
     def _k(self, key: str) -> str:
@@ -157,6 +164,9 @@ class S3Store(ObjectStore):
                              Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1))
 
     async def head(self, key: str) -> ObjectInfo:
+        if self.http is not None:
+            http = self.http
+            return await self._call(f"HEAD {key}", lambda: http.head(self._k(key), key))
         resp = await self._call(f"HEAD {key}", lambda: self.client.head_object(
             Bucket=self.bucket, Key=self._k(key)))
         return ObjectInfo(key, resp["ContentLength"], resp["ETag"],
@@ -166,6 +176,10 @@ class S3Store(ObjectStore):
                         if_match: str | None = None) -> bytes:
         if length <= 0:
             return b""
+        if self.http is not None:
+            http = self.http
+            return await self._call(f"GET {key}", lambda: http.get_range(
+                self._k(key), key, start, length, if_match))
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key),
                                 "Range": f"bytes={start}-{start + length - 1}"}
         if if_match:
@@ -284,3 +298,5 @@ class S3Store(ObjectStore):
 
     async def aclose(self) -> None:
         self.client.close()
+        if self.http is not None:
+            self.http.close()
