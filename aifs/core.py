@@ -168,8 +168,7 @@ class Filesystem:
                                        hurry=lambda ino: self.promoter.promote_soon(ino),
                                        clock=clock)
         self.lookups: dict[int, int] = {}
-        self.object_attrs = ObjectAttributes(meta, self.store, config,
-                                            known_to_kernel=lambda ino: bool(self.lookups.get(ino)))
+        self.object_attrs = ObjectAttributes(meta, self.store, config)
         self.files: dict[int, OpenFile] = {}
         self.dirs: dict[int, int] = {}
         self._handles = itertools.count(1)

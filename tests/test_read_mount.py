@@ -143,24 +143,31 @@ def test_a_walk_reads_the_attributes_ahead_once_each(lake, mounter):
     """A fresh node walks objects another tool wrote with s3fs attributes: the
     first lstat starts reading the attributes of the entries after it, many at
     once, so the walk does not wait for one HEAD per file in turn; every
-    object is asked once and every lstat shows its own mode."""
+    object is asked once (a symlink among them twice: its own lookup gives it
+    its number) and every lstat shows its own mode."""
     count = 600
     modes = {f"o{i:04d}": (0o600, 0o640, 0o755)[i % 3] for i in range(count)}
     body = b"x" * 5000  # larger than a symlink can be: readdir asks nothing
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda kv: lake.put(f"w/{kv[0]}", body,
                                           {"mode": str(stat.S_IFREG | kv[1])}), modes.items()))
+    lake.put("w/o0300", b"o0001", {"mode": str(stat.S_IFLNK | 0o777)})  # a symlink
     mount = mounter(lake)
-    names = sorted(os.listdir(mount.path / "w"))
-    assert names == sorted(modes)
+    names = sorted(modes)
+    assert os.path.isdir(mount.path / "w")  # its own HEAD: an implicit directory
     before = lake_requests(mount.path)["HeadObject"]
     assert stat.S_IMODE(os.lstat(mount.path / "w" / names[0]).st_mode) == modes[names[0]]
     # no other lookup: the attributes of the next entries come by themselves
     wait_for(lambda: lake_requests(mount.path)["HeadObject"] - before >= 200, 30,
              "the attributes of the next entries to be read")
     for name in names:
-        assert stat.S_IMODE(os.lstat(mount.path / "w" / name).st_mode) == modes[name], name
-    assert lake_requests(mount.path)["HeadObject"] - before == count  # one each
+        st = os.lstat(mount.path / "w" / name)
+        if name == "o0300":
+            assert stat.S_ISLNK(st.st_mode) and os.readlink(mount.path / "w" / name) == "o0001"
+        else:
+            assert stat.S_IMODE(st.st_mode) == modes[name], name
+    assert sorted(os.listdir(mount.path / "w")) == names
+    assert lake_requests(mount.path)["HeadObject"] - before == count + 1
 
 
 def test_a_walk_trusting_listings_needs_no_lookup_per_file(lake, mounter):

@@ -15,7 +15,6 @@ HEAD per key at a time: a lookup of an entry in flight joins it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
@@ -33,12 +32,10 @@ PATH_MAX = 4096
 
 
 class ObjectAttributes:
-    def __init__(self, meta: MetaStore, store: ObjectStore, config: Config,
-                 known_to_kernel: Callable[[int], bool]) -> None:
+    def __init__(self, meta: MetaStore, store: ObjectStore, config: Config) -> None:
         self.meta = meta
         self.store = store
         self.config = config
-        self.known_to_kernel = known_to_kernel
         self._limiter = trio.CapacityLimiter(HEADS_AT_ONCE)
         self._in_flight: dict[int, trio.Event] = {}
         self._frontier: dict[int, int] = {}  # directory -> last cookie read ahead
@@ -65,10 +62,13 @@ class ObjectAttributes:
         if not self.unknown(child):
             return child
         self._read_ahead(parent, name)
-        return await self.load(child, may_change_kind=True)
+        await self.load(child, may_change_kind=True)
+        return self.meta.lookup(parent, name) or child  # renumbered if a symlink
 
-    async def load(self, inode: Inode, may_change_kind: bool) -> Inode:
-        """``inode`` with its attributes read (joining a read in flight)."""
+    async def load(self, inode: Inode, may_change_kind: bool, ahead: bool = False) -> Inode:
+        """``inode`` with its attributes read (joining a read in flight).
+        ``ahead``: for no lookup yet, so what only a lookup may do (give a
+        symlink its own number, join a hard link's names) is left to it."""
         if not self.unknown(inode):
             return inode
         flight = self._in_flight.get(inode.ino)
@@ -78,15 +78,16 @@ class ObjectAttributes:
             if current is None or not self.unknown(current):
                 return current or inode
             inode = current  # that read failed: this one tries again, and says why
-        done = self._in_flight[inode.ino] = trio.Event()
+        ino = inode.ino  # a symlink found gets a new number (reincarnate)
+        done = self._in_flight[ino] = trio.Event()
         try:
             async with self._limiter:
-                return await self._read(inode, may_change_kind)
+                return await self._read(inode, may_change_kind, ahead)
         finally:
-            del self._in_flight[inode.ino]
+            del self._in_flight[ino]
             done.set()
 
-    async def _read(self, inode: Inode, may_change_kind: bool) -> Inode:
+    async def _read(self, inode: Inode, may_change_kind: bool, ahead: bool) -> Inode:
         try:
             info = await self.store.head(inode.key)
         except ObjectNotFound:
@@ -97,6 +98,8 @@ class ObjectAttributes:
         current = self.meta.get(inode.ino)
         if current is None or current.pending or current.etag != inode.etag:
             return current or inode  # changed while we asked: keep the newer state
+        if ahead and (inode.kind != kind or inode.link_id):
+            return current  # the lookup reads it again and renumbers or joins it
         inode.attrs_known = True
         if inode.kind != kind:
             if not may_change_kind:
@@ -138,6 +141,6 @@ class ObjectAttributes:
 
     async def _ahead_one(self, inode: Inode) -> None:
         try:
-            await self.load(inode, may_change_kind=not self.known_to_kernel(inode.ino))
+            await self.load(inode, may_change_kind=False, ahead=True)
         except LakeError as exc:  # the lookup that needs it tries again, and says why
             log.debug("attributes of %s, read ahead: %s", inode.key, exc)
