@@ -24,24 +24,15 @@ import urllib3.exceptions
 from aifs.errors import (
     AccessDenied,
     BucketNotFound,
-    InvalidKey,
     LakeError,
     LakeUnavailable,
     ObjectNotFound,
-    PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
-from aifs.lake.s3http import SignedHTTP
+from aifs.lake.s3http import SignedHTTP, error_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
-           "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
-_TRANSIENT = {"SlowDown", "503", "500", "502", "504", "InternalError", "RequestTimeout",
-              "ServiceUnavailable", "RequestTimeTooSkewed", "Throttling", "ThrottlingException"}
-
 
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str = "",
@@ -91,25 +82,8 @@ class S3Store(ObjectStore):
             err = exc.response.get("Error", {})
             code = str(err.get("Code", ""))
             status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-            message = err.get("Message") or code or status
-            if code == "NoSuchBucket":
-                return BucketNotFound(f"bucket {self.bucket!r} does not exist "
-                                      f"at {self.client.meta.endpoint_url}")
-            if code in _NOT_FOUND or status == "404":
-                return ObjectNotFound(f"{what}: not found")
-            if code in ("PreconditionFailed", "412") or status == "412":
-                return PreconditionFailed(f"{what}: object changed in the lake")
-            if code in _DENIED or status == "403":
-                return AccessDenied(f"access denied by {self.client.meta.endpoint_url} "
-                                    f"({code}): check the credentials")
-            if code in _TRANSIENT or status.startswith("5"):
-                throttled = code in ("SlowDown", "Throttling", "ThrottlingException") \
-                    or status == "503"
-                return LakeUnavailable(f"{what}: {message}",
-                                       "throttled" if throttled else "server")
-            if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
-                return InvalidKey(f"{what}: {message}")
-            return LakeError(f"{what}: {code} {message}")
+            return error_of(code, status, err.get("Message") or code or status, what,
+                            self.client.meta.endpoint_url, self.bucket)
         if isinstance(exc, botocore.exceptions.NoCredentialsError):
             return AccessDenied("no AWS credentials found (set AWS_ACCESS_KEY_ID/"
                                 "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")

@@ -131,22 +131,7 @@ class SignedHTTP:
     def _error(self, status: int, body: bytes, what: str) -> LakeError:
         found = _CODE.search(body)
         code = found.group(1).decode(errors="replace") if found else ""
-        if code == "NoSuchBucket":
-            return BucketNotFound(f"bucket {self.bucket!r} does not exist at {self.endpoint}")
-        if status == 404:
-            return ObjectNotFound(f"{what}: not found")
-        if status in (304, 412):
-            return PreconditionFailed(f"{what}: object changed in the lake")
-        if status == 403:
-            return AccessDenied(f"access denied by {self.endpoint} ({code or status}): "
-                                "check the credentials")
-        if status >= 500 or code in ("SlowDown", "RequestTimeout", "RequestTimeTooSkewed"):
-            throttled = status == 503 or code in ("SlowDown", "Throttling")
-            return LakeUnavailable(f"{what}: {code or status}",
-                                   "throttled" if throttled else "server")
-        if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
-            return InvalidKey(f"{what}: {code}")
-        return LakeError(f"{what}: {code or status}")
+        return error_of(code, status, code or str(status), what, self.endpoint, self.bucket)
 
     def head(self, key: str, name: str) -> ObjectInfo:
         """The object at ``key`` in the bucket, as ``name`` (its key in the lake)."""
@@ -195,6 +180,36 @@ class SignedHTTP:
 
     def close(self) -> None:
         self.pool.clear()
+
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+           "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
+_TRANSIENT = {"SlowDown", "503", "500", "502", "504", "InternalError", "RequestTimeout",
+              "ServiceUnavailable", "RequestTimeTooSkewed", "Throttling", "ThrottlingException"}
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException"}
+
+
+def error_of(code: str, status: int | str, message: str, what: str, endpoint: str,
+             bucket: str) -> LakeError:
+    """The aifs error for an S3 error answer (``code`` from its body, maybe
+    empty; ``status`` its HTTP status), whichever client got it."""
+    status = str(status)
+    if code == "NoSuchBucket":
+        return BucketNotFound(f"bucket {bucket!r} does not exist at {endpoint}")
+    if code in _NOT_FOUND or status == "404":
+        return ObjectNotFound(f"{what}: not found")
+    if code in ("PreconditionFailed", "412") or status in ("412", "304"):
+        return PreconditionFailed(f"{what}: object changed in the lake")
+    if code in _DENIED or status == "403":
+        return AccessDenied(f"access denied by {endpoint} ({code or status}): "
+                            "check the credentials")
+    if code in _TRANSIENT or status.startswith("5"):
+        throttled = code in _THROTTLED or status == "503"
+        return LakeUnavailable(f"{what}: {message}", "throttled" if throttled else "server")
+    if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
+        return InvalidKey(f"{what}: {message}")
+    return LakeError(f"{what}: {code} {message}")
 
 
 def _ca_bundle() -> str | None:

@@ -20,6 +20,7 @@ Needs root (drops the page cache) and /dev/fuse. Unmounts and stops all it start
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +53,21 @@ def requests(mount: conftest.Mount) -> dict[str, int]:
 
 def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
+
+
+@contextlib.contextmanager
+def fresh_mount(lake: conftest.Lake, work: Path, name: str, options: list[str],
+                r: dict) -> Iterator[conftest.Mount]:
+    """A mount with an empty cache of its own; the lake requests made inside
+    the block go to ``r[name + "_requests"]``."""
+    mount = conftest.Mount(lake, work / "mnt", work / f"cache-{name}", work / "aifs.log",
+                           options)
+    try:
+        before = requests(mount)
+        yield mount
+        r[f"{name}_requests"] = delta(requests(mount), before)
+    finally:
+        mount.unmount()
 
 
 def walk_lstat(root: Path) -> tuple[int, float]:
@@ -122,14 +139,9 @@ def main() -> None:
                          Bucket=bucket, Prefix=lake.prefix + "foreign/"))
         r["boto3_list_s"] = time.perf_counter() - start
         assert listed == args.objects
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-walk", work / "aifs.log", base)
-        try:
-            before = requests(mount)
+        with fresh_mount(lake, work, "aifs_walk", base, r) as mount:
             count, r["aifs_walk_s"] = walk_lstat(mount.path / "foreign")
             assert count == args.objects, count
-            r["aifs_walk_requests"] = delta(requests(mount), before)
-        finally:
-            mount.unmount()
 
         # 2. first read of every object: boto3 threads, fresh aifs mount, processes
         order = list(names)
@@ -139,45 +151,23 @@ def main() -> None:
             list(pool.map(lambda n: client.get_object(Bucket=bucket, Key=lake.prefix + n)
                           ["Body"].read(), order))
         r["boto3_read_s"] = time.perf_counter() - start
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-read", work / "aifs.log", base)
-        try:
-            before = requests(mount)
+        with fresh_mount(lake, work, "aifs_read", base, r) as mount:
             r["aifs_read_s"] = read_all([mount.path / n for n in order], args.readers)
-            r["aifs_read_requests"] = delta(requests(mount), before)
-        finally:
-            mount.unmount()
 
         # 3. small files aifs wrote: PUTs to write them, fresh ls + stat, fresh read
         own = [f"own/f{i:05d}.bin" for i in range(args.own)]
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-own", work / "aifs.log", base)
-        try:
+        with fresh_mount(lake, work, "own_write", base, r) as mount:
             (mount.path / "own").mkdir()
-            before = requests(mount)
             for name in own:
                 (mount.path / name).write_bytes(body)
             aifs_sync(mount.path, 600)
-            r["own_write_requests"] = delta(requests(mount), before)
-        finally:
-            mount.unmount()
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-own-ls", work / "aifs.log",
-                               base)
-        try:
-            before = requests(mount)
+        with fresh_mount(lake, work, "own_ls_stat", base, r) as mount:
             start = time.perf_counter()
             for name in os.listdir(mount.path / "own"):
                 os.lstat(mount.path / "own" / name)
             r["own_ls_stat_s"] = time.perf_counter() - start
-            r["own_ls_stat_requests"] = delta(requests(mount), before)
-        finally:
-            mount.unmount()
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-own-read", work / "aifs.log",
-                               base)
-        try:
-            before = requests(mount)
+        with fresh_mount(lake, work, "own_read", base, r) as mount:
             r["own_read_s"] = read_all([mount.path / n for n in own], 1)
-            r["own_read_requests"] = delta(requests(mount), before)
-        finally:
-            mount.unmount()
     finally:
         finish(work, stops, r, args.json)
     n, m = args.objects, args.own
