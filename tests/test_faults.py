@@ -79,6 +79,31 @@ async def test_every_lake_operation_rides_out_faults(proxied, monkeypatch):
         await store.aclose()
 
 
+async def test_an_http_proxy_in_the_environment_carries_every_call(moto_server, monkeypatch):
+    """HTTP_PROXY names the way to the lake: boto3's calls and the signed
+    HEAD/GET alike go through it (the proxy here forwards bytes; moto takes
+    the absolute URLs a proxy is sent)."""
+    import uuid
+    bucket = f"aifs-proxy-{uuid.uuid4().hex[:12]}"
+    moto_server.client.create_bucket(Bucket=bucket)
+    proxy = FaultProxy(int(moto_server.endpoint.rsplit(":", 1)[1]), 0.0, 1)
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HTTP_PROXY", proxy.endpoint)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    store = S3Store(bucket, "p", endpoint_url=moto_server.endpoint, timeout=5)
+    try:
+        await store.put("a", b"through the proxy")
+        before = proxy.exchanges
+        assert (await store.head("a")).size == 17
+        assert await store.get_range("a", 0, 7) == b"through"
+        assert proxy.exchanges - before >= 2, "HEAD and GET went around the proxy"
+    finally:
+        await store.aclose()
+        proxy.close()
+
+
 def _workload(root: Path, seed: int) -> dict[str, bytes]:
     """Checkpoint shards, small files, renames, deletes, listings and reads;
     returns the tree it leaves (path -> bytes)."""

@@ -24,6 +24,7 @@ import os
 import re
 import time
 import urllib.parse
+import urllib.request
 from typing import Any
 
 import urllib3
@@ -63,9 +64,12 @@ class SignedHTTP:
                 kwargs["cert_reqs"] = "CERT_NONE"
             else:
                 kwargs["ca_certs"] = verify if isinstance(verify, str) else _ca_bundle()
-        self.pool = urllib3.PoolManager(
-            num_pools=2, maxsize=max_connections, retries=False,
-            timeout=urllib3.Timeout(connect=min(timeout, 10.0), read=timeout), **kwargs)
+        settings = dict(num_pools=2, maxsize=max_connections, retries=False,
+                        timeout=urllib3.Timeout(connect=min(timeout, 10.0), read=timeout),
+                        **kwargs)
+        proxy = proxy_for(endpoint)  # HTTP(S)_PROXY and NO_PROXY, as botocore reads them
+        self.pool: urllib3.PoolManager = urllib3.ProxyManager(proxy, **settings) if proxy \
+            else urllib3.PoolManager(**settings)
 
     # -- signing ----------------------------------------------------------
     def _signing_key(self, secret: str, date: str) -> bytes:
@@ -210,6 +214,16 @@ def error_of(code: str, status: int | str, message: str, what: str, endpoint: st
     if code in ("InvalidArgument", "KeyTooLongError", "InvalidRequest"):
         return InvalidKey(f"{what}: {message}")
     return LakeError(f"{what}: {code} {message}")
+
+
+def proxy_for(endpoint: str) -> str | None:
+    """The proxy the environment names for ``endpoint`` (None: none, or the
+    host is in NO_PROXY)."""
+    url = urllib.parse.urlsplit(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(url.hostname or ""):
+        return None
+    return proxy if "://" in proxy else "http://" + proxy
 
 
 def _ca_bundle() -> str | None:
