@@ -88,18 +88,23 @@ class ObjectAttributes:
             done.set()
 
     async def _read(self, inode: Inode, may_change_kind: bool, ahead: bool) -> Inode:
+        key, etag = inode.key, inode.etag
         try:
-            info = await self.store.head(inode.key)
+            info = await self.store.head(key)
         except ObjectNotFound:
             info = None  # an implicit directory, or an object gone meanwhile
+        # The answer goes onto the record as it is now, not the one read before
+        # the HEAD: a rename or chmod made (and promoted) meanwhile stays.
+        current = self.meta.get(inode.ino)
+        if (current is None or current.pending or current.etag != etag
+                or current.key != key or current.attrs_known):
+            return current or inode  # changed while we asked: keep the newer state
+        inode = current
         kind = inode.kind
         if info is not None:
             apply_metadata(inode, info.metadata)
-        current = self.meta.get(inode.ino)
-        if current is None or current.pending or current.etag != inode.etag:
-            return current or inode  # changed while we asked: keep the newer state
         if ahead and (inode.kind != kind or inode.link_id):
-            return current  # the lookup reads it again and renumbers or joins it
+            return self.meta.get(inode.ino) or inode  # the lookup renumbers or joins it
         inode.attrs_known = True
         if inode.kind != kind:
             if not may_change_kind:
