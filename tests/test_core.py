@@ -11,9 +11,10 @@ import trio
 from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.core import Filesystem
+from aifs.core import Filesystem, SetAttributes
 from aifs.errors import FsError
 from aifs.lake.local import LocalStore
+from aifs.lake.s3 import S3Store
 from aifs.meta.store import ROOT_INO, MetaStore
 
 MiB = 1 << 20
@@ -265,3 +266,62 @@ async def test_an_empty_journal_directory_is_no_journal(tmp_path):
         with trio.fail_after(10):
             assert (await filesystem.lookup(ROOT_INO, b"a")).size == 1
         nursery.cancel_scope.cancel()
+
+
+class HeldHeadS3(S3Store):
+    """A real S3 lake (moto) whose HEADs of ``held`` keys answer only once
+    ``release`` is set (what they answer is what the lake held when asked)."""
+
+    def __init__(self, bucket: str, endpoint: str, held: set[str]) -> None:
+        super().__init__(bucket, "", endpoint_url=endpoint)
+        self.held = held
+        self.release = trio.Event()
+        self.waiting = 0
+
+    async def head(self, key):
+        info = await super().head(key)
+        if key in self.held:
+            self.waiting += 1
+            await self.release.wait()
+        return info
+
+
+async def test_attributes_read_across_a_rename_keep_the_new_name(tmp_path, nursery,
+                                                                 moto_server, monkeypatch):
+    """The HEADs a lookup starts ahead of a walk may answer after the file was
+    renamed and the rename reached the lake (an S3 copy keeps the ETag): what
+    they bring must not put the old key back, where a later change would be
+    promoted, nor undo a chmod made meanwhile."""
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = f"held-{os.getpid()}-{id(tmp_path) % 10_000}"
+    moto_server.client.create_bucket(Bucket=bucket)
+    for i in range(5):
+        moto_server.client.put_object(Bucket=bucket, Key=f"w/a{i}", Body=b"object %d" % i)
+    config = Config(lake=f"s3://{bucket}", endpoint_url=moto_server.endpoint, metadata_ttl=60,
+                    pack_threshold=0)
+    store = HeldHeadS3(bucket, moto_server.endpoint, {f"w/a{i}" for i in range(1, 5)})
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", 64 * MiB), LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    w = await fs.lookup(ROOT_INO, b"w")
+    await fs.lookup(w.ino, b"a0")  # starts the HEADs of a1..a4, held
+    with trio.fail_after(10):
+        while store.waiting < 4:
+            await trio.sleep(0.01)
+    await fs.rename(w.ino, b"a1", w.ino, b"b1", 0)
+    a2 = fs.meta.lookup(w.ino, b"a2")
+    await fs.setattr(a2.ino, SetAttributes(mode=0o600))
+    await _sync_all(fs)
+    store.release.set()
+    with trio.fail_after(10):
+        while fs.object_attrs._in_flight:
+            await trio.sleep(0.01)
+    b1 = await fs.lookup(w.ino, b"b1")
+    assert b1.key == "w/b1"
+    assert (await fs.getattr(a2.ino)).mode == 0o600
+    await fs.setattr(b1.ino, SetAttributes(mode=0o640))
+    await _sync_all(fs)
+    keys = [o["Key"] for o in moto_server.client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert sorted(keys) == ["w/a0", "w/a2", "w/a3", "w/a4", "w/b1"]
+    await store.aclose()
