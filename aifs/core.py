@@ -85,7 +85,6 @@ PACK_PROGRESS_XATTR = xattrs.PACK_PROGRESS.encode()
 ACTION_RESULT_KEPT = 5.0  # seconds an action xattr's result waits for the second read
 PINNED_XATTR = xattrs.PINNED.encode()
 UNMOUNT_FLUSH_XATTR = xattrs.UNMOUNT_FLUSH.encode()
-PATH_MAX = 4096
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 COPY_CONCURRENCY = 16
@@ -312,10 +311,6 @@ class Filesystem:
             raise FsError(errno.ENOENT)
         return directory
 
-    async def _load_attrs(self, inode: Inode, may_change_kind: bool) -> Inode:
-        """Read an object's POSIX attributes from its metadata (one HEAD, once)."""
-        return await self.object_attrs.load(inode, may_change_kind)
-
     # -- directory listings -------------------------------------------------
     def _fresh(self, directory: Inode) -> bool:
         return self.clock() - directory.listed_at < self.config.metadata_ttl
@@ -495,7 +490,7 @@ class Filesystem:
                 await self._ensure_listed(parent)
                 inode = self._inode(ino)
         if not inode.attrs_known and not inode.orphan:
-            await self._load_attrs(inode, may_change_kind=False)
+            await self.object_attrs.load(inode, may_change_kind=False)
             inode = self._inode(ino)
         return inode
 
@@ -559,7 +554,7 @@ class Filesystem:
 
             async def load(inode: Inode) -> None:
                 try:
-                    await self._load_attrs(inode, may_change_kind=True)
+                    await self.object_attrs.load(inode, may_change_kind=True)
                 except LakeError as exc:  # listed as a file; a lookup tries again
                     log.warning("attributes of %s: %s", inode.key, exc)
 

@@ -70,7 +70,7 @@ class S3Store(ObjectStore):
         # URL is plain (path style, an explicit endpoint): see s3http.py
         credentials = session.get_credentials()
         self.http = SignedHTTP(endpoint, bucket, self.client.meta.region_name, credentials,
-                               max_connections, timeout, None) \
+                               max_connections, timeout) \
             if path_style and endpoint_url and credentials is not None else None
 
     # -- plumbing -------------------------------------------------------

@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+import botocore.httpsession
 import urllib3
 
 from aifs.errors import (
@@ -48,7 +49,7 @@ class SignedHTTP:
     """One endpoint and bucket: signs and sends HEAD and GET of objects."""
 
     def __init__(self, endpoint: str, bucket: str, region: str, credentials: Any,
-                 max_connections: int, timeout: float, verify: str | bool | None) -> None:
+                 max_connections: int, timeout: float) -> None:
         url = urllib.parse.urlsplit(endpoint)
         self.endpoint = endpoint.rstrip("/")
         self.origin = f"{url.scheme}://{url.netloc}"
@@ -58,12 +59,10 @@ class SignedHTTP:
         self.region = region
         self.credentials = credentials  # botocore Credentials (maybe refreshable)
         self._keys: dict[tuple[str, str], bytes] = {}  # (secret, date) -> signing key
-        kwargs: dict[str, Any] = {}
-        if url.scheme == "https":
-            if verify is False:
-                kwargs["cert_reqs"] = "CERT_NONE"
-            else:
-                kwargs["ca_certs"] = verify if isinstance(verify, str) else _ca_bundle()
+        # the CA bundle botocore verifies against: AWS_CA_BUNDLE, else its default
+        kwargs: dict[str, Any] = {"ca_certs": os.environ.get("AWS_CA_BUNDLE")
+                                  or botocore.httpsession.get_cert_path(True)} \
+            if url.scheme == "https" else {}
         settings = dict(num_pools=2, maxsize=max_connections, retries=False,
                         timeout=urllib3.Timeout(connect=min(timeout, 10.0), read=timeout),
                         **kwargs)
@@ -118,17 +117,15 @@ class SignedHTTP:
             raise self._broken(exc, what) from None
 
     def _broken(self, exc: Exception, what: str) -> LakeUnavailable:
-        if isinstance(exc, urllib3.exceptions.NewConnectionError | urllib3.exceptions.
-                      ConnectTimeoutError):
-            cause = "timeout" if isinstance(exc, urllib3.exceptions.TimeoutError) \
-                else "connection"
-            return LakeUnavailable(f"cannot reach {self.endpoint}: {type(exc).__name__}", cause)
-        if isinstance(exc, urllib3.exceptions.TimeoutError):
+        errors = urllib3.exceptions
+        if isinstance(exc, errors.TimeoutError):
             cause = "timeout"
-        elif isinstance(exc, urllib3.exceptions.ProtocolError) and "IncompleteRead" in repr(exc):
+        elif isinstance(exc, errors.ProtocolError) and "IncompleteRead" in repr(exc):
             cause = "truncated"
         else:
             cause = "connection"
+        if isinstance(exc, errors.NewConnectionError | errors.ConnectTimeoutError):
+            return LakeUnavailable(f"cannot reach {self.endpoint}: {type(exc).__name__}", cause)
         return LakeUnavailable(f"{what}: connection to {self.endpoint} broken: "
                                f"{type(exc).__name__}", cause)
 
@@ -224,15 +221,3 @@ def proxy_for(endpoint: str) -> str | None:
     if not proxy or urllib.request.proxy_bypass(url.hostname or ""):
         return None
     return proxy if "://" in proxy else "http://" + proxy
-
-
-def _ca_bundle() -> str | None:
-    """The CA bundle botocore would use: AWS_CA_BUNDLE, else certifi's."""
-    bundle = os.environ.get("AWS_CA_BUNDLE")
-    if bundle:
-        return bundle
-    try:
-        import certifi
-        return certifi.where()
-    except ImportError:  # pragma: no cover - botocore depends on certifi
-        return None

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 HEADS_AT_ONCE = 32  # attribute reads in flight, per mount
 AHEAD = 256  # entries after a looked-up one whose attributes are read ahead
-PATH_MAX = 4096
+PATH_MAX = 4096  # the longest symlink target (so the largest symlink object)
 
 
 class ObjectAttributes:
