@@ -66,6 +66,7 @@ from aifs.policy import DATASET, POLICIES, POLICY_XATTR, WEIGHTS
 from aifs.read.attrs import ObjectAttributes
 from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify
 from aifs.read.readahead import Readahead
+from aifs.read.scan import DirectoryPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ RENAME_EXCHANGE = 2
 COPY_CONCURRENCY = 16
 SCAN_OPENS = 3  # files of one pack opened within SCAN_WINDOW seconds: a scan
 SCAN_WINDOW = 10.0
+STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
+DIR_PREFETCH_BYTES = 256 << 20  # most bytes of a directory fetched ahead of its readers
 
 
 @dataclass
@@ -168,10 +171,15 @@ class Filesystem:
                                        clock=clock)
         self.lookups: dict[int, int] = {}
         self.object_attrs = ObjectAttributes(meta, self.store, config)
+        self.dir_prefetch = DirectoryPrefetch(
+            meta, self.fetcher, budget=min(config.cache_size // 8, DIR_PREFETCH_BYTES),
+            at_once=max(4, config.max_connections), version_of=self._version,
+            is_local=local.has, clock=clock)
         self.files: dict[int, OpenFile] = {}
         self.dirs: dict[int, int] = {}
         self._handles = itertools.count(1)
         self._listing: dict[int, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
         self._kernel_etag: dict[int, str] = {}
         self._opens: dict[int, int] = {}
         self._writers: dict[int, int] = {}
@@ -204,9 +212,11 @@ class Filesystem:
         self.metrics = Metrics(self)
 
     def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         self.local.start_spares()
         self.fetcher.start(nursery)
         self.object_attrs.start(nursery)
+        self.dir_prefetch.start(nursery)
         nursery.start_soon(self.promoter.run)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self._save_dir_times_now_and_then)
@@ -314,6 +324,27 @@ class Filesystem:
     # -- directory listings -------------------------------------------------
     def _fresh(self, directory: Inode) -> bool:
         return self.clock() - directory.listed_at < self.config.metadata_ttl
+
+    def _refresh_behind(self, directory: Inode) -> bool:
+        """Whether an entry already known in ``directory`` may be answered now,
+        the listing past its TTL refreshed in the background meanwhile: while
+        it is younger than twice the TTL (stale-while-revalidate, so a ``stat``
+        after the TTL does not wait for a LIST). True if the listing is fresh."""
+        age = self.clock() - directory.listed_at
+        ttl = self.config.metadata_ttl
+        if age < ttl:
+            return True
+        if age >= STALE_SERVED * ttl or self._nursery is None:
+            return False
+        if directory.ino not in self._listing:
+            self._nursery.start_soon(self._refresh, directory)
+        return True
+
+    async def _refresh(self, directory: Inode) -> None:
+        try:
+            await self._ensure_listed(directory)
+        except (LakeError, FsError) as exc:  # the next lookup past the window lists again
+            log.debug("background listing of %r: %s", directory.key, exc)
 
     async def _ensure_listed(self, directory: Inode) -> Inode:
         """Refresh ``directory`` from LIST if its listing is older than the TTL.
@@ -473,8 +504,10 @@ class Filesystem:
         else:
             if len(name) > 255:
                 raise FsError(errno.ENAMETOOLONG)
-            await self._ensure_listed(directory)
             child = self.meta.lookup(parent, name)
+            if child is None or not self._refresh_behind(directory):
+                await self._ensure_listed(directory)
+                child = self.meta.lookup(parent, name)
             if child is not None:
                 child = await self.object_attrs.of_entry(parent, name, child)
                 child = self._inode(child.ino)
@@ -486,7 +519,7 @@ class Filesystem:
         inode = self._inode(ino)
         if not inode.is_dir and not inode.orphan and not inode.pending:
             parent = self.meta.get(inode.parent)
-            if parent is not None and not self._fresh(parent):
+            if parent is not None and not self._refresh_behind(parent):
                 await self._ensure_listed(parent)
                 inode = self._inode(ino)
         if not inode.attrs_known and not inode.orphan:
@@ -971,6 +1004,8 @@ class Filesystem:
         self._kernel_etag[ino] = inode.etag
         fh = self._open_handle(inode, writable)
         self.files[fh].kill_setid = writable and uid != 0
+        if not writable:
+            self.dir_prefetch.opened(inode, self.files[fh].version)
         if flags & os.O_TRUNC:  # O_RDONLY|O_TRUNC truncates too, as Linux does
             try:
                 await self._truncate(inode, 0)
@@ -1621,7 +1656,9 @@ class Filesystem:
                 "promote_failures": promoted.failures,
                 "packs": self.packer.stats.packs, "packed_files": self.packer.stats.packed_files,
                 "journals": self.packer.stats.journals,
-                "journals_read": self.packer.stats.journals_read}
+                "journals_read": self.packer.stats.journals_read,
+                "dir_prefetch_scans": self.dir_prefetch.scans,
+                "dir_prefetch_objects": self.dir_prefetch.fetched}
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         if not name.startswith(b"user."):

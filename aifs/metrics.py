@@ -141,6 +141,9 @@ class Metrics:
                 "write_requests": fs.write_requests, "write_bytes": fs.write_bytes,
                 "lookup_requests": fs.lookup_requests, "open_files": len(fs.files),
             },
+            "prefetch": {"directory_scans": fs.dir_prefetch.scans,
+                         "directory_objects": fs.dir_prefetch.fetched,
+                         "attributes_ahead": fs.object_attrs.read_ahead},
             "throughput": self.rates(),
         }
 
@@ -168,6 +171,9 @@ _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
      "by where they were found.", "tier", lambda s: s["cache"]["hits"]),
     ("aifs_cache_misses_total", "counter", "Reads that waited for the lake.", "",
      lambda s: s["cache"]["misses"]),
+    ("aifs_prefetch_directory_objects_total", "counter", "Small objects fetched ahead "
+     "of their readers by a directory scan.", "",
+     lambda s: s["prefetch"]["directory_objects"]),
     ("aifs_cache_hit_ratio", "gauge", "Hits over all reads that reached the daemon.", "",
      lambda s: s["cache"]["hit_ratio"]),
     ("aifs_cache_evictions_total", "counter", "Blocks and local files evicted.", "",

@@ -13,6 +13,7 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.core import Filesystem, SetAttributes
 from aifs.errors import FsError
+from aifs.lake.base import ObjectStore as ObjectStoreBase
 from aifs.lake.local import LocalStore
 from aifs.lake.s3 import S3Store
 from aifs.meta.store import ROOT_INO, MetaStore
@@ -325,3 +326,74 @@ async def test_attributes_read_across_a_rename_keep_the_new_name(tmp_path, nurse
     keys = [o["Key"] for o in moto_server.client.list_objects_v2(Bucket=bucket)["Contents"]]
     assert sorted(keys) == ["w/a0", "w/a2", "w/a3", "w/a4", "w/b1"]
     await store.aclose()
+
+
+class HeldListStore(LocalStore):
+    """A real local lake whose LISTs answer only once ``release`` is set while
+    ``hold`` is on."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.hold = False
+        self.release = trio.Event()
+        self.lists = 0
+
+    async def list_page(self, prefix, delimiter="/", token=None, max_keys=1000):
+        self.lists += 1
+        if self.hold:
+            await self.release.wait()
+        return await super().list_page(prefix, delimiter, token, max_keys)
+
+    async def iter_list(self, prefix, delimiter="/"):
+        async for page in ObjectStoreBase.iter_list(self, prefix, delimiter):
+            yield page
+
+
+async def test_a_stat_past_the_ttl_is_answered_while_the_listing_refreshes_behind(
+        tmp_path, nursery):
+    """Past the TTL (and within twice it) a stat or lookup of a known entry is
+    answered from the listing at once, one LIST refreshing it in the
+    background; the lake's change shows once that LIST is in. A name not
+    known, or a listing older than twice the TTL, waits for the LIST."""
+    lake = tmp_path / "lake"
+    (lake / "d").mkdir(parents=True)
+    (lake / "d" / "f").write_bytes(b"one")
+    now = [1000.0]
+    config = Config(lake=f"file://{lake}", metadata_ttl=60, pack_threshold=0)
+    store = HeldListStore(str(lake))
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", 64 * MiB), LocalFiles(tmp_path / "cache"),
+                    clock=lambda: now[0])
+    fs.start(nursery)
+    d = await fs.lookup(ROOT_INO, b"d")
+    f = await fs.lookup(d.ino, b"f")
+    (lake / "d" / "f").write_bytes(b"two!")
+    (lake / "d" / "g").write_bytes(b"new")
+    store.hold = True
+    now[0] += 61
+    lists = store.lists
+    with trio.fail_after(5):
+        assert (await fs.getattr(f.ino)).size == 3  # the LIST is held: not waited for
+        assert (await fs.lookup(d.ino, b"f")).size == 3
+        while store.lists == lists:
+            await trio.sleep(0.01)
+    assert store.lists == lists + 1  # one background LIST for both
+    async with trio.open_nursery() as waiting:
+        found = []
+
+        async def look_up_new() -> None:
+            found.append(await fs.lookup(d.ino, b"g"))  # unknown: waits for the LIST
+
+        waiting.start_soon(look_up_new)
+        await trio.sleep(0.1)
+        assert not found
+        store.release.set()
+    assert found[0] is not None and found[0].size == 3
+    assert (await fs.getattr(f.ino)).size == 4
+    store.hold, store.release = True, trio.Event()
+    now[0] += 121  # twice the TTL past the last listing: a stat waits
+    with trio.move_on_after(0.3) as timed:
+        await fs.getattr(f.ino)
+    assert timed.cancelled_caught
+    store.release.set()
+    assert (await fs.getattr(f.ino)).size == 4

@@ -46,6 +46,7 @@ def test_prometheus_text_is_well_formed():
                  "written_bytes": 9},
         "fs": {"read_requests": 1, "lookup_requests": 3, "read_bytes": 4, "write_requests": 1,
                "write_bytes": 9, "open_files": 0},
+        "prefetch": {"directory_scans": 1, "directory_objects": 5, "attributes_ahead": 7},
     }
     text = prometheus_text(snapshot)
     families = re.findall(r"^# TYPE (\S+) (counter|gauge)$", text, re.M)

@@ -191,6 +191,36 @@ def test_a_walk_trusting_listings_needs_no_lookup_per_file(lake, mounter):
     assert lookups < count // 10, f"{lookups} lookups for a walk of {count} files"
 
 
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_readers_going_through_a_directory_find_the_rest_fetched_ahead(lake, mounter, order):
+    """A first epoch over small objects another tool wrote: once a few of a
+    directory are opened, the rest of it is fetched ahead, many at once, so
+    the reads that follow wait for no GET of their own; each object is
+    fetched once and every file reads back its own bytes."""
+    count = 300
+    bodies = {f"o{i:04d}": random.randbytes(16 << 10) for i in range(count)}
+    lake.put_many({f"e/{name}": body for name, body in bodies.items()})
+    lake.put("other/x", b"y" * 100)  # another directory: not fetched
+    mount = mounter(lake, "--object-attrs", "false")
+    names = sorted(bodies)
+    if order == "shuffled":
+        random.Random(7).shuffle(names)
+
+    def metrics() -> tuple[int, int, int]:
+        m = json.loads(os.getxattr(mount.path, "user.aifs.metrics"))
+        return (m["lake"]["requests"]["GetObject"], m["prefetch"]["directory_objects"],
+                m["cache"]["misses"])
+
+    gets, _, _ = metrics()
+    for name in names[:3]:
+        assert (mount.path / "e" / name).read_bytes() == bodies[name]
+    wait_for(lambda: metrics()[1] == count - 3, 30, "the rest of the directory to be fetched")
+    _, _, misses = metrics()
+    for name in names[3:]:
+        assert (mount.path / "e" / name).read_bytes() == bodies[name], name
+    assert metrics() == (gets + count, count - 3, misses)  # no reader waited for a GET
+
+
 def test_xattrs_are_facts(lake, mounter):
     lake.put("d/f.bin", b"x" * 1000)
     mount = mounter(lake)

@@ -246,18 +246,37 @@ class BlockFetcher:
             self._launch(version, index, prefetch=True)
         return on_disk
 
-    def _launch(self, version: ObjectVersion, index: int, prefetch: bool = False) -> _Flight:
+    async def fetch_ahead(self, version: ObjectVersion, index: int) -> None:
+        """Fetch a block for a reader still to come (a directory prefetch),
+        unless it is at hand or on its way; the caller bounds how many run."""
+        slot = (version.ident, index)
+        flight = self._flights.get(slot)
+        if flight is None:
+            if slot in self._memory or self.cache.locate(version, index) is not None:
+                return
+            flight = self._launch(version, index, prefetch=True, take_slot=False)
+        await flight.done.wait()
+        if flight.error is not None:
+            raise LakeError(f"reading {version.key}: {flight.error}")
+
+    def _launch(self, version: ObjectVersion, index: int, prefetch: bool = False,
+                take_slot: bool = True) -> _Flight:
+        """Start fetching a block. ``prefetch``: for no reader yet (a failure
+        is only logged at debug), taking one of the read-ahead slots unless
+        ``take_slot`` is False (the caller bounds its own fetches)."""
         assert self._nursery is not None, "fetcher not started"
         flight = _Flight()
         slot = (version.ident, index)
         self._flights[slot] = flight
-        if prefetch:
+        holds_slot = prefetch and take_slot
+        if holds_slot:
             self._prefetch_slots.acquire_nowait()
-        self._nursery.start_soon(self._fetch, version, index, slot, flight, prefetch)
+        self._nursery.start_soon(self._fetch, version, index, slot, flight, prefetch,
+                                 holds_slot)
         return flight
 
     async def _fetch(self, version: ObjectVersion, index: int, slot: tuple[str, int],
-                     flight: _Flight, prefetch: bool) -> None:
+                     flight: _Flight, prefetch: bool, holds_slot: bool) -> None:
         try:
             offset = index * self.block_size
             length = min(self.block_size, version.size - offset)
@@ -297,7 +316,7 @@ class BlockFetcher:
                 del self._flights[slot]
             flight.done.set()
             flight.stored.set()
-            if prefetch:
+            if holds_slot:
                 self._prefetch_slots.release()
 
     async def warm(self, version: ObjectVersion, parallel: int = 4) -> tuple[int, int]:
