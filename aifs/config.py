@@ -112,9 +112,12 @@ class Config:
     direct_writes: bool = _option(True, "Pass writes of write-only handles to the daemon "
                                   "past the kernel's page cache (FUSE direct I/O): faster, "
                                   "and written data is cached once, not twice.", "bool")
-    object_attrs: bool = _option(True, "Read POSIX attributes (mode, owner, mtime, xattrs, "
-                                 "symlinks) from object metadata with one HEAD per object "
-                                 "on its first lookup; false trusts listings alone.", "bool")
+    object_attrs: bool = _option(False, "Read the POSIX attributes (mode, owner, mtime, "
+                                 "symlinks) of objects other tools wrote (s3fs's metadata) "
+                                 "with one HEAD per object on its first lookup. Off, they "
+                                 "show the listing's size and mtime and the default mode, "
+                                 "and their xattrs are read when asked for. Objects aifs "
+                                 "wrote carry theirs in its journals either way.", "bool")
     policy_rules: list[str] = field(default_factory=list, metadata={
         "doc": "Extra PATTERN=POLICY rules (policies: checkpoint, dataset, weights, "
                "default), checked before the built-in ones; the xattr user.aifs.policy "

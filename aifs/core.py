@@ -425,6 +425,12 @@ class Filesystem:
     def _merge_packed(self, directory: Inode, entries: dict[str, Listed],
                       started: float) -> None:
         prefix = directory.key
+        for name, record in self.packs.objects(prefix).items():
+            name = name.rstrip("/")  # a directory's marker
+            plain = entries.get(name)
+            described = plain and self.object_attrs.from_record(plain, record)
+            if described:
+                entries[name] = described
         for name, entry in self.packs.children(prefix):
             if not self._acceptable(directory, name, prefix + name):
                 continue
@@ -1669,10 +1675,20 @@ class Filesystem:
         if name in (WARMUP_XATTR, GC_XATTR) or (name == PACK_XATTR
                                                 and self._inode(ino).is_dir):
             return await self._action(ino, name)
+        if not name.startswith(xattrs.PREFIX.encode()):
+            await self._read_user_xattrs(ino)
         value = self.xattrs(ino).get(name)
         if value is None:
             raise FsError(errno.ENODATA)
         return value()
+
+    async def _read_user_xattrs(self, ino: int) -> None:
+        """Read the metadata of an object no listing described (another tool
+        wrote it, ``object_attrs`` off) when its xattrs are asked for: one
+        HEAD then, none for a walk or ``ls -l``."""
+        inode = self._inode(ino)
+        if inode.kind != DIR and not inode.packed and inode.in_lake:
+            await self.object_attrs.load(inode, may_change_kind=False, asked=True)
 
     async def _action(self, ino: int, name: bytes) -> bytes:
         """Run the command an xattr stands for (warmup, pack, gc); its result
@@ -1694,10 +1710,11 @@ class Filesystem:
         self._action_results[(ino, name)] = (self.clock(), value)
         return value
 
-    def listxattr(self, ino: int) -> list[bytes]:
+    async def listxattr(self, ino: int) -> list[bytes]:
         """The xattrs users set. The ``user.aifs.*`` facts and commands are
         read by name only: listed, copies (rsync -X, tar --xattrs, cp -a)
         would try to set or remove them and fail."""
+        await self._read_user_xattrs(ino)
         return [name.encode("utf-8", "surrogateescape") for name in self._inode(ino).xattrs]
 
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:

@@ -247,7 +247,7 @@ class Operations(pyfuse3.Operations):
 
     @_replies
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return self.fs.listxattr(inode)
+        return await self.fs.listxattr(inode)
 
     @_replies
     async def setxattr(self, inode: int, name: bytes, value: bytes,

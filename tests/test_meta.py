@@ -179,3 +179,21 @@ def test_a_store_of_an_unknown_schema_is_refused_and_kept(tmp_path):
     with pytest.raises(SchemaError, match="schema 99"):
         MetaStore(path)
     assert (path / "data.mdb").exists()
+
+
+def test_a_record_that_comes_after_its_object_was_listed_gives_its_attributes(tmp_path):
+    """Another node's journal may come after a LIST showed its object: the
+    next listing of the same version takes the record's attributes (they are
+    not read otherwise), and never over ones already known."""
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, _files("a", "b"), now=1)
+    ino = meta.lookup(ROOT_INO, b"a").ino
+    assert meta.get(ino).mode == -1 and not meta.get(ino).attrs_known
+    described = Listed("a", FILE, "a", 1, "e-a", 1.0,
+                       {"mode": 0o600, "uid": 7, "attrs_known": True})
+    meta.apply_listing(ROOT_INO, [described] + _files("b"), now=2)
+    a = meta.get(ino)
+    assert (a.ino, a.mode, a.uid, a.attrs_known) == (ino, 0o600, 7, True)
+    meta.update(ino, mode=0o640)  # known (here, say by a chmod promoted since)
+    meta.apply_listing(ROOT_INO, [described] + _files("b"), now=3)
+    assert meta.get(ino).mode == 0o640

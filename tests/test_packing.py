@@ -185,7 +185,11 @@ def test_sync_right_after_many_closes_makes_one_pack(lake, mounter, aifs_cli):
     plain, packs, journals = lake_layout(lake)
     assert plain == []
     assert len(packs) == 1, f"{len(files)} files synced at once went into {len(packs)} packs"
-    assert len(journals) == 1
+    # one journal holds every file's record (another may hold only the
+    # directories' records: their markers are plain objects)
+    with_files = [j for j in journals if any(
+        r["op"] == "put" for r in json.loads(lake.get(j))["records"])]
+    assert len(with_files) == 1, journals
     assert set(lake_packed(lake)) == set(files)
 
 
@@ -384,10 +388,10 @@ def test_aifs_pack_keeps_the_s3fs_attributes_of_the_objects(s3_lake, mounter, ai
         s3_lake.server.client.put_object(
             Bucket=s3_lake.bucket, Key=s3_lake.prefix + name, Body=data,
             Metadata={"mode": str(mode), "uid": str(uid), "gid": str(gid), "mtime": str(mtime)})
-    a = mounter(s3_lake, "--metadata-ttl", "1", name="a")
+    a = mounter(s3_lake, "--metadata-ttl", "1", "--object-attrs", "true", name="a")
     result = aifs_cli("pack", str(a.path / "s3fs"), "--quiet")
     assert result.returncode == 0, result.stderr
-    b = mounter(s3_lake, name="b")
+    b = mounter(s3_lake, "--object-attrs", "true", name="b")
     for mount in (a, b):
         for name, data in files.items():
             path = mount.path / name

@@ -140,8 +140,9 @@ def lake_requests(path) -> dict[str, int]:
 
 
 def test_a_walk_reads_the_attributes_ahead_once_each(lake, mounter):
-    """A fresh node walks objects another tool wrote with s3fs attributes: the
-    first lstat starts reading the attributes of the entries after it, many at
+    """With object_attrs on, a fresh node walks objects another tool wrote
+    with s3fs attributes: the first lstat starts reading the attributes of the
+    entries after it, many at
     once, so the walk does not wait for one HEAD per file in turn; every
     object is asked once (a symlink among them twice: its own lookup gives it
     its number) and every lstat shows its own mode."""
@@ -152,7 +153,7 @@ def test_a_walk_reads_the_attributes_ahead_once_each(lake, mounter):
         list(pool.map(lambda kv: lake.put(f"w/{kv[0]}", body,
                                           {"mode": str(stat.S_IFREG | kv[1])}), modes.items()))
     lake.put("w/o0300", b"o0001", {"mode": str(stat.S_IFLNK | 0o777)})  # a symlink
-    mount = mounter(lake)
+    mount = mounter(lake, "--object-attrs", "true")
     names = sorted(modes)
     assert os.path.isdir(mount.path / "w")  # its own HEAD: an implicit directory
     before = lake_requests(mount.path)["HeadObject"]

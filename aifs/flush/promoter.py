@@ -31,7 +31,7 @@ from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import to_metadata
-from aifs.meta.packindex import PackedEntry, deletion, is_packed_at
+from aifs.meta.packindex import PackedEntry, deletion, is_packed_at, object_record
 from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
 
 log = logging.getLogger(__name__)
@@ -310,8 +310,9 @@ class Promoter:
         if info is None:
             self.schedule(ino)  # changed before anything landed: promote it later
             return False
+        etags = {key: info.etag}
         if inode.links:
-            await self._copy_to_links(inode)
+            etags.update(await self._copy_to_links(inode))
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
             # Renamed, deleted or replaced while it uploaded: what landed under
@@ -330,7 +331,8 @@ class Promoter:
             self.schedule(ino)
             return False
         done = inode.pending
-        if ino in self._streamed and inode.pending & META:
+        streamed = ino in self._streamed
+        if streamed and inode.pending & META:
             # A streamed object got the attributes of when its upload began
             # (and the lake's mtime): a chmod or utime since is written next.
             done &= ~META
@@ -338,9 +340,19 @@ class Promoter:
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
+            records = []
             if inode.packed or inode.kind == FILE and self.packer.index.entry(key) is not None:
                 # its packed copy, or one of a file this one replaced
-                self.packer.queue_records([deletion(key)])
+                records.append(deletion(key))
+            if inode.key and not (streamed and inode.pending & META):
+                # What the object's metadata says, for nodes that list it
+                # (attributes without a HEAD each): a record per name.
+                metadata = to_metadata(inode, self.uid, self.gid)
+                if streamed:
+                    metadata.pop("mtime", None)  # the lake's time serves (see _stream_target)
+                records += [object_record(name, etags.get(name, info.etag), metadata)
+                            for name in inode.keys()]
+            self.packer.queue_records(records)
         settled = self.meta.settle(ino, key, done, **fields)
         if settled is None:
             return True
@@ -494,12 +506,13 @@ class Promoter:
         finally:
             in_flight.release()
 
-    async def _copy_to_links(self, inode: Inode) -> None:
+    async def _copy_to_links(self, inode: Inode) -> dict[str, str]:
         """Each further name of a hard-linked file is an object of its own:
-        a server-side copy of the primary, with the same metadata."""
+        a server-side copy of the primary, with the same metadata; their
+        ETags by key."""
         metadata = to_metadata(inode, self.uid, self.gid)
-        for key in inode.keys()[1:]:
-            await self.store.copy(inode.key, key, metadata)
+        return {key: await self.store.copy(inode.key, key, metadata)
+                for key in inode.keys()[1:]}
 
     async def _write_metadata(self, inode: Inode) -> ObjectInfo | None:
         metadata = to_metadata(inode, self.uid, self.gid)

@@ -14,7 +14,8 @@ LMDB databases (in the metadata store's environment):
 database    key                              value
 ==========  ===============================  ==========================================
 packed      lake key, UTF-8                  the newest record of the key (JSON): a put
-                                             (where its bytes are) or a del (gone)
+                                             (where its bytes are), a del (gone) or an
+                                             obj (a plain object: its ETag and metadata)
 packmember  pack id ++ NUL ++ u64 offset     lake key of a live entry of that pack
 pack        pack id                          JSON {size, live, t, dead_since}: live
                                              bytes, for compaction and collection
@@ -116,6 +117,15 @@ class PackedEntry:
         """The inode ETag of a packed file: its place and record time, which
         change with its content and with its attributes."""
         return f"pack:{self.pack}:{self.offset}:{self.stamp}"
+
+
+def object_record(key: str, etag: str, metadata: dict[str, str],
+                  stamp: int | None = None) -> Record:
+    """The record of a plain object aifs put: its ETag and the POSIX metadata
+    it carries (as its user metadata), so a node listing it knows its
+    attributes without a HEAD (see ``PackIndex.objects``)."""
+    return {"op": "obj", "key": key, "etag": etag, "meta": metadata,
+            "t": stamp if stamp is not None else time.time_ns()}
 
 
 def deletion(key: str, stamp: int | None = None) -> Record:
@@ -274,6 +284,34 @@ class PackIndex:
                 found = cursor.next()
         yield from out
 
+    def objects(self, prefix: str) -> dict[str, Record]:
+        """The records of plain objects aifs put directly in the directory
+        ``prefix`` (name -> record; a subdirectory's marker as ``name/``),
+        newer than any packed copy or deletion of the same key."""
+        raw_prefix = scan_prefix(prefix)
+        whole = key_bytes(prefix) == raw_prefix
+        out: dict[str, Record] = {}
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.entries)
+            found = cursor.set_range(raw_prefix)
+            while found:
+                key, value = cursor.item()
+                if not key.startswith(raw_prefix):
+                    break
+                rest = bytes(key[len(raw_prefix):])
+                slash = rest.find(b"/")
+                if b'"op":"obj"' in value and (slash < 0 or slash == len(rest) - 1
+                                                or not whole or is_hashed(bytes(key))):
+                    record = json.loads(value)
+                    name = record["key"][len(prefix):]
+                    if record["key"].startswith(prefix) and "/" not in name.rstrip("/"):
+                        out[name] = record  # a file, or a directory's marker ("name/")
+                if whole and slash >= 0 and not is_hashed(bytes(key)):
+                    found = cursor.set_range(raw_prefix + rest[:slash] + b"0")  # skip below
+                    continue
+                found = cursor.next()
+        return out
+
     @staticmethod
     def _long_child(prefix: str, record: Record,
                     out: list[tuple[str, PackedEntry | None]]) -> None:
@@ -359,7 +397,8 @@ class PackIndex:
                     yield compact_json({"op": "pack", "pack": bytes(raw_pack).decode(),
                                         "size": info["size"], "t": info.get("t", 0)}).encode()
             for _, raw in txn.cursor(db=self.entries):
-                if b'"op":"put"' in raw or json.loads(raw)["t"] > keep_deletions_after:
+                if b'"op":"put"' in raw or b'"op":"obj"' in raw \
+                        or json.loads(raw)["t"] > keep_deletions_after:
                     yield bytes(raw)
 
     def seen(self, names: Iterable[str], readable_only: bool = False) -> set[str]:
@@ -476,7 +515,7 @@ class PackIndex:
             # carries the same put (same t) at the old place and must lose.
             new = dict(current, pack=record["pack"], off=record["off"],
                        mv=current.get("mv", 0) + 1)
-        elif op in ("put", "del"):
+        elif op in ("put", "del", "obj"):
             if current is not None and current["t"] > record["t"]:
                 return  # an older change than the one we know
             if current is not None and current["t"] == record["t"] and op == "put" \

@@ -922,7 +922,14 @@ class MetaStore:
                         continue  # (a hard-linked inode's names are this node's)
                     if current.kind == entry.kind or (current.kind == LINK
                                                       and entry.kind == FILE):
-                        if current.etag != entry.etag or current.key != entry.key:
+                        if current.etag == entry.etag and current.key == entry.key \
+                                and not current.attrs_known and entry.fields \
+                                and entry.fields.get("attrs_known"):
+                            # the record of this version came after it was listed
+                            for name, field_value in entry.fields.items():
+                                setattr(current, name, field_value)
+                            self._put(txn, current)
+                        elif current.etag != entry.etag or current.key != entry.key:
                             replaced.append(current.ino)
                             current.size, current.etag = entry.size, entry.etag
                             current.mtime_ns, current.key = int(entry.mtime * 1e9), entry.key

@@ -22,10 +22,14 @@ from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import apply_metadata
-from aifs.meta.store import FILE, Inode, MetaStore
+from aifs.meta.packindex import Record
+from aifs.meta.store import DIR, FILE, Inode, Listed, MetaStore
 
 log = logging.getLogger(__name__)
 
+#: seconds the lake's clock may run ahead of a node's: an object listed as
+#: modified later than its record (by more) was changed since by another tool
+CLOCK_SLACK = 2.0
 HEADS_AT_ONCE = 32  # attribute reads in flight, per mount
 AHEAD = 256  # entries after a looked-up one whose attributes are read ahead
 PATH_MAX = 4096  # the longest symlink target (so the largest symlink object)
@@ -45,10 +49,39 @@ class ObjectAttributes:
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
 
-    def unknown(self, inode: Inode) -> bool:
-        """Whether ``inode``'s attributes are still to be read from the lake."""
+    def unknown(self, inode: Inode, asked: bool = False) -> bool:
+        """Whether ``inode``'s attributes are still to be read from the lake:
+        with ``object_attrs`` on, those of every object no record described;
+        with it off, only a hard link's (its names are joined) and what is
+        ``asked`` for (xattrs)."""
         return (not inode.attrs_known and not inode.pending and not inode.orphan
-                and bool(inode.key) and self.config.object_attrs)
+                and bool(inode.key)
+                and (self.config.object_attrs or bool(inode.link_id) or asked))
+
+    @staticmethod
+    def from_record(plain: Listed, record: Record) -> Listed | None:
+        """``plain`` (a listed object) with the attributes the record aifs
+        wrote when it put the object gives, if the record describes this
+        version of it (same ETag, not modified since); None if it does not.
+
+        A hard link's names are joined by a lookup that reads its metadata
+        (rare: the record says so and the lookup does the rest)."""
+        if plain.fields or plain.kind not in (FILE, DIR) \
+                or (plain.kind == DIR) != record["key"].endswith("/"):
+            return None
+        if plain.kind == FILE and (record.get("etag") != plain.etag
+                                   or plain.mtime > record["t"] / 1e9 + CLOCK_SLACK):
+            return None  # (a directory's marker is not listed with its parent)
+        scratch = Inode(0, plain.kind, plain.key, 0, mtime_ns=int(plain.mtime * 1e9))
+        apply_metadata(scratch, record.get("meta") or {})
+        fields: dict[str, object] = {
+            "mode": scratch.mode, "uid": scratch.uid, "gid": scratch.gid,
+            "mtime_ns": scratch.mtime_ns, "atime_ns": scratch.atime_ns, "rdev": scratch.rdev,
+            "xattrs": scratch.xattrs, "attrs_known": not scratch.link_id}
+        if scratch.link_id:
+            fields.update(link_id=scratch.link_id, nlink_hint=scratch.nlink_hint)
+        return Listed(plain.name, scratch.kind, plain.key, plain.size, plain.etag,
+                      scratch.mtime_ns / 1e9, fields)
 
     def type_unknown(self, inode: Inode) -> bool:
         """Whether a listed object may be other than a regular file (symlinks,
@@ -65,17 +98,19 @@ class ObjectAttributes:
         await self.load(child, may_change_kind=True)
         return self.meta.lookup(parent, name) or child  # renumbered if a symlink
 
-    async def load(self, inode: Inode, may_change_kind: bool, ahead: bool = False) -> Inode:
+    async def load(self, inode: Inode, may_change_kind: bool, ahead: bool = False,
+                   asked: bool = False) -> Inode:
         """``inode`` with its attributes read (joining a read in flight).
         ``ahead``: for no lookup yet, so what only a lookup may do (give a
-        symlink its own number, join a hard link's names) is left to it."""
-        if not self.unknown(inode):
+        symlink its own number, join a hard link's names) is left to it.
+        ``asked``: read even with ``object_attrs`` off (its xattrs are wanted)."""
+        if not self.unknown(inode, asked):
             return inode
         flight = self._in_flight.get(inode.ino)
         if flight is not None:
             await flight.wait()
             current = self.meta.get(inode.ino)
-            if current is None or not self.unknown(current):
+            if current is None or not self.unknown(current, asked):
                 return current or inode
             inode = current  # that read failed: this one tries again, and says why
         ino = inode.ino  # a symlink found gets a new number (reincarnate)

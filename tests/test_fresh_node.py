@@ -1,0 +1,104 @@
+"""A fresh node (empty cache) sees the lake at LIST speed: the attributes of
+what aifs wrote come from its journals (one GET per journal, not one HEAD per
+object), objects other tools wrote show the listing's size and mtime with no
+HEAD, and their xattrs are read only when asked for."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+from pathlib import Path
+
+from conftest import wait_for
+
+from aifs.meta.objattrs import encode_xattrs
+
+KiB = 1 << 10
+
+
+def lake_requests(path: Path) -> dict[str, int]:
+    return json.loads(os.getxattr(path, "user.aifs.metrics"))["lake"]["requests"]
+
+
+def attributes(root: Path) -> dict[str, tuple]:
+    """Every entry below ``root``: type and permission bits, owner, size, mtime,
+    symlink target, user xattrs."""
+    out = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+            xattrs = {} if target is not None else {
+                x: os.getxattr(path, x) for x in os.listxattr(path)}
+            size = st.st_size if stat.S_ISREG(st.st_mode) else None
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_uid, st.st_gid, size,
+                                                st.st_mtime_ns, target, xattrs)
+    return out
+
+
+def test_a_fresh_node_knows_what_aifs_wrote_without_a_head_per_object(lake, mounter, aifs_cli):
+    """Plain objects (over the pack threshold), packed files, directories and
+    a symlink written through one mount, with their own modes, owners, times
+    and xattrs: a mount on an empty cache walks them, stats and reads their
+    xattrs with lake requests counted by directories and journals, not by
+    files; and shows every attribute as the writer did."""
+    a = mounter(lake, "--pack-threshold", "64K", "--pack-wait", "0.2", name="a")
+    dirs, per_dir = 4, 12
+    for d in range(dirs):
+        directory = a.path / "t" / f"d{d}"
+        directory.mkdir(parents=True)
+        for i in range(per_dir):
+            path = directory / f"f{i:02d}.bin"
+            path.write_bytes(os.urandom((100 if i % 2 else 3) * KiB))  # plain / packed
+            os.chmod(path, (0o600, 0o640, 0o755, 0o444)[i % 4])
+            os.chown(path, 1000 + i, 2000 + d)
+            os.utime(path, ns=(1_600_000_000_000_000_000 + i, 1_600_000_000_123_456_789 + i))
+            if i % 3 == 0:
+                os.setxattr(path, "user.tag", f"{d}-{i}".encode())
+        os.chmod(directory, 0o750)
+    os.symlink("d0/f01.bin", a.path / "t" / "link")
+    for d in range(dirs):  # (times a directory gets from its entries are this node's)
+        os.utime(a.path / "t" / f"d{d}", ns=(1_500_000_000_000_000_000 + d,) * 2)
+    before = attributes(a.path / "t")
+    result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert result.returncode == 0, result.stderr
+    a.unmount()
+
+    b = mounter(lake, name="b")  # an empty cache of its own; object_attrs as by default
+    start = lake_requests(b.path)
+    after = attributes(b.path / "t")
+    assert after == before
+    asked = {op: n - start.get(op, 0) for op, n in lake_requests(b.path).items()
+             if n - start.get(op, 0)}
+    files = dirs * per_dir
+    assert asked.get("HeadObject", 0) <= 1, asked  # the symlink's target: its body, or none
+    assert asked.get("ListObjectsV2", 0) <= 2 * (dirs + 2) + 4, asked
+    assert asked.get("GetObject", 0) <= 8, asked  # journals (and the symlink's target)
+    assert sum(asked.values()) < files // 2, asked
+
+
+def test_objects_other_tools_wrote_need_no_head_until_their_xattrs_are_asked(lake, mounter):
+    """``ls -l`` of a dataset another tool wrote: sizes and mtimes from LIST,
+    the default mode, not one HEAD; an xattr asked for reads that object's
+    metadata (one HEAD) and shows what the tool stored."""
+    count = 200
+    lake.put_many({f"w/o{i:04d}": b"x" * (1000 + i) for i in range(count)})
+    origin = base64.b64encode(b"camera").decode()
+    lake.put("w/tagged", b"t", {"xattr": encode_xattrs({"user.origin": origin})})
+    mount = mounter(lake)
+    start = lake_requests(mount.path)["HeadObject"]
+    with os.scandir(mount.path / "w") as it:
+        seen = {entry.name: os.lstat(entry.path) for entry in it}
+    assert len(seen) == count + 1
+    for i in range(count):
+        st = seen[f"o{i:04d}"]
+        assert (stat.S_ISREG(st.st_mode), st.st_size) == (True, 1000 + i)
+        assert stat.S_IMODE(st.st_mode) == 0o644
+    assert lake_requests(mount.path)["HeadObject"] == start
+    assert os.getxattr(mount.path / "w" / "tagged", "user.origin") == b"camera"
+    assert os.listxattr(mount.path / "w" / "tagged") == ["user.origin"]
+    wait_for(lambda: lake_requests(mount.path)["HeadObject"] == start + 1, 10,
+             "one HEAD for the xattrs asked for")
