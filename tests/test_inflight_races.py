@@ -203,3 +203,118 @@ async def test_a_streamed_file_truncated_while_its_upload_completes(tmp_path, nu
         await fs.sync(ROOT_INO)
     assert store.overlaps == 0
     assert _lake_files(tmp_path) == {"big": b"s" * 1000}
+
+
+@pytest.mark.parametrize("size", [2 * MiB, 6 * MiB], ids=["put", "multipart"])
+@pytest.mark.parametrize("how", ["unlink", "replaced", "dir-renamed-then-unlinked"])
+async def test_sync_waits_for_the_upload_of_a_file_deleted_while_it_was_in_flight(
+        tmp_path, nursery, size, how):
+    """A file deleted (unlinked, or replaced by a rename) while its upload is
+    in flight is no longer pending, but what lands under its old key is no
+    one's: a sync must not return before that object is deleted (fsx seed 13
+    found a deleted file's 5.8 MB multipart object in the lake after a sync)."""
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=60, promote_delay=0, pack_wait=0.05,
+                    multipart_threshold=5 * MiB, part_size=5 * MiB)
+    store = GatedStore(str(tmp_path / "lake"))
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+    d = (await fs.lookup(ROOT_INO, b"d")).ino
+    await _sync(fs)
+    store.holds = lambda key: key == "d/a"
+    store.closed = True
+    fh, _ = await fs.create(d, b"a", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"A" * size)
+    fs.release(fh)
+    with trio.fail_after(30):
+        await store.entered.wait()  # its PUT or its completion waits at the gate
+    if how == "unlink":
+        await fs.unlink(d, b"a")
+    elif how == "replaced":
+        fh, _ = await fs.create(d, b"b", 0o644, os.O_WRONLY, 0, 0)
+        await fs.write(fh, 0, b"small b")
+        fs.release(fh)
+        await fs.rename(d, b"b", d, b"a", 0)
+    else:
+        await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+        await fs.unlink(d, b"a")
+
+    async def open_later() -> None:
+        await trio.sleep(0.5)
+        store.open()
+
+    nursery.start_soon(open_later)
+    await _sync(fs)
+    assert not store.closed, "the sync returned while the deleted file's upload was in flight"
+    expected = {"d/a": b"small b"} if how == "replaced" else {}
+    assert _lake_files(tmp_path) == expected
+
+
+class CopyGatedStore(GatedStore):
+    """Also holds server-side copies from keys ``copy_holds`` picks until
+    ``copies_go`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.copy_holds = lambda key: False
+        self.copy_entered = trio.Event()
+        self.copies_go = trio.Event()
+
+    async def copy(self, src, dst, metadata=None):
+        if self.copy_holds(src):
+            self.copy_entered.set()
+            await self.copies_go.wait()
+        return await super().copy(src, dst, metadata)
+
+
+async def test_an_upload_landing_during_a_directory_rename_leaves_no_object(tmp_path, nursery):
+    """A file's upload completes while its directory's rename copies the rest
+    (after the rename listed the lake), and the file changed meanwhile: the
+    promoter records the landed object's ETag and promotes again; the rename
+    must then delete the object under the old key, not forget it (fsx seed 13:
+    d/a/e stayed in the lake after the directory d was renamed)."""
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=60, promote_delay=0, pack_wait=0.05,
+                    multipart_threshold=5 * MiB, part_size=5 * MiB)
+    store = CopyGatedStore(str(tmp_path / "lake"))
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
+    fh, _ = await fs.create(d, b"b", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"B" * (2 * MiB))
+    fs.release(fh)
+    await _sync(fs)  # d/b is an object of its own: the rename copies it
+    store.holds = lambda key: key == "d/a"
+    store.closed = True
+    fh, inode = await fs.create(d, b"a", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"1" * (6 * MiB))
+    fs.release(fh)
+    with trio.fail_after(30):
+        await store.entered.wait()  # d/a's CompleteMultipartUpload waits at the gate
+    fh, _ = await fs.open(inode.ino, os.O_WRONLY, 0)
+    await fs.write(fh, 0, b"2" * MiB)  # changed while it completes
+    fs.release(fh)
+    store.copy_holds = lambda key: key == "d/b"
+
+    async def rename() -> None:
+        await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(rename)
+        with trio.fail_after(30):
+            await store.copy_entered.wait()  # the rename listed d/ (no d/a yet)
+        store.open()  # d/a lands; the promoter records its ETag, d/a pending again
+        with trio.fail_after(30):
+            while not fs.meta.get(inode.ino).etag:
+                await trio.sleep(0.01)
+        store.copies_go.set()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"e/a": b"2" * MiB + b"1" * (5 * MiB),
+                                     "e/b": b"B" * (2 * MiB)}

@@ -707,7 +707,12 @@ class Promoter:
                 for key in self._blocked_tombstones(self.meta.tombstones()):
                     tombs.pop(key, None)
             packing = self.packer.waiting()
-            if not waiting and not tombs and not packing:
+            # A file deleted (unlinked, or replaced by a rename) while its upload
+            # was in flight is pending no more, but what its upload lands under
+            # the old key is tombstoned only when it lands: wait for that too.
+            landing = key_prefix is not None and any(
+                (record := self.meta.get(ino)) is None or record.orphan for ino in self._active)
+            if not waiting and not tombs and not packing and not landing:
                 return
             # What keeps failing does not stop the rest: sync gives up only
             # once all that is left keeps failing (one file the lake refuses

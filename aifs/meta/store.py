@@ -836,9 +836,11 @@ class MetaStore:
         elif inode.packed and not inode.pending & DATA:
             pass  # the pack index moves it (no object of its own to copy)
         elif not inode.is_dir:
-            if inode.in_lake and inode.etag != MAYBE_IN_LAKE and not inode.pending & DATA:
-                # Promoted while the move was under way: its object under the
-                # old key was not copied. Delete it; upload the local copy.
+            if inode.in_lake and inode.etag != MAYBE_IN_LAKE:
+                # Landed while the move was under way (after its listing): its
+                # object under the old key was not copied. Delete it; upload the
+                # local copy. Also when the file changed meanwhile and is pending
+                # again: its etag is all that says the old key holds an object.
                 self._tomb(txn, old_key, 0)
                 if has_local(ino):
                     inode.pending |= DATA
