@@ -80,6 +80,26 @@ def walk_lstat(root: Path) -> tuple[int, float]:
     return count, time.perf_counter() - start
 
 
+def stat_median_us(paths: list[Path]) -> float:
+    """Median microseconds of an ``lstat`` of each path."""
+    took = []
+    for path in paths:
+        start = time.perf_counter()
+        os.lstat(path)
+        took.append(time.perf_counter() - start)
+    return sorted(took)[len(took) // 2] * 1e6
+
+
+def lmdb_bytes(path: Path) -> int:
+    """Bytes of the pages an LMDB environment uses (its file holds a reserve too)."""
+    import lmdb
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64)
+    try:
+        return env.info()["last_pgno"] * env.stat()["psize"]
+    finally:
+        env.close()
+
+
 def read_all(paths: list[Path], readers: int) -> float:
     """Seconds for ``readers`` processes to read ``paths`` (dealt round-robin)."""
     start = time.perf_counter()
@@ -139,9 +159,14 @@ def main() -> None:
                          Bucket=bucket, Prefix=lake.prefix + "foreign/"))
         r["boto3_list_s"] = time.perf_counter() - start
         assert listed == args.objects
-        with fresh_mount(lake, work, "aifs_walk", base, r) as mount:
+        with fresh_mount(lake, work, "aifs_walk", [*base, "--metadata-ttl", "2"], r) as mount:
             count, r["aifs_walk_s"] = walk_lstat(mount.path / "foreign")
             assert count == args.objects, count
+            # a stat of known files once the TTL passed (kernel caches and listing)
+            paths = [mount.path / n for n in names[:2000]]
+            time.sleep(2.2)
+            r["stat_after_ttl_us"] = stat_median_us(paths)
+        r["lmdb_bytes_per_file"] = lmdb_bytes(work / "cache-aifs_walk" / "meta") / args.objects
 
         # 2. first read of every object: boto3 threads, fresh aifs mount, processes
         order = list(names)
@@ -174,7 +199,8 @@ def main() -> None:
     print(f"walk + lstat of {n} foreign objects: local {n / r['local_walk_s']:,.0f}/s, "
           f"boto3 LIST {n / r['boto3_list_s']:,.0f}/s, aifs {n / r['aifs_walk_s']:,.0f}/s "
           f"({r['boto3_list_s'] / r['aifs_walk_s']:.2f}x boto3 LIST; "
-          f"requests {r['aifs_walk_requests']})")
+          f"requests {r['aifs_walk_requests']}); stat past the TTL: median "
+          f"{r['stat_after_ttl_us']:.0f} us; LMDB {r['lmdb_bytes_per_file']:.0f} bytes per file")
     print(f"first read of {n} foreign objects, {args.readers} readers: boto3 "
           f"{n / r['boto3_read_s']:,.0f}/s, aifs {n / r['aifs_read_s']:,.0f}/s "
           f"({r['boto3_read_s'] / r['aifs_read_s']:.2f}x boto3; "
