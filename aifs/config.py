@@ -112,6 +112,11 @@ class Config:
     direct_writes: bool = _option(True, "Pass writes of write-only handles to the daemon "
                                   "past the kernel's page cache (FUSE direct I/O): faster, "
                                   "and written data is cached once, not twice.", "bool")
+    dir_prefetch: bool = _option(False, "Fetch the rest of a directory of small objects "
+                                 "ahead of readers going through it (a first epoch), many "
+                                 "GETs at once: for a lake far away (tens of ms per GET). "
+                                 "Where the node's cores are the limit it slows reads "
+                                 "(docs/benchmarks.md).", "bool")
     object_attrs: bool = _option(False, "Read the POSIX attributes (mode, owner, mtime, "
                                  "symlinks) of objects other tools wrote (s3fs's metadata) "
                                  "with one HEAD per object on its first lookup. Off, they "

@@ -1010,7 +1010,7 @@ class Filesystem:
         self._kernel_etag[ino] = inode.etag
         fh = self._open_handle(inode, writable)
         self.files[fh].kill_setid = writable and uid != 0
-        if not writable:
+        if not writable and self.config.dir_prefetch:
             self.dir_prefetch.opened(inode, self.files[fh].version)
         if flags & os.O_TRUNC:  # O_RDONLY|O_TRUNC truncates too, as Linux does
             try:

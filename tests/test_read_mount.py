@@ -202,7 +202,7 @@ def test_readers_going_through_a_directory_find_the_rest_fetched_ahead(lake, mou
     bodies = {f"o{i:04d}": random.randbytes(16 << 10) for i in range(count)}
     lake.put_many({f"e/{name}": body for name, body in bodies.items()})
     lake.put("other/x", b"y" * 100)  # another directory: not fetched
-    mount = mounter(lake, "--object-attrs", "false")
+    mount = mounter(lake, "--dir-prefetch", "true")
     names = sorted(bodies)
     if order == "shuffled":
         random.Random(7).shuffle(names)
