@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 JOURNALS_AT_ONCE = 16
 REPLAY_ROUNDS = 3  # listings in one refresh while journals vanish under it (folds)
 MAX_WAITS = 10  # a pack being filled goes after at most this many pack_wait
+#: records of plain objects (attributes for other nodes) wait this many
+#: pack_wait for a pack to ride along with, before a journal of their own
+RECORDS_WAITS = 5
 HANDOVER_TICK = 0.02  # seconds: how often a pack asked for looks whether files still come
 HANDOVER_LIMIT = 2.0  # seconds: ... and goes without them once none came for this long
 
@@ -231,6 +234,7 @@ class Packer:
         self._newest: float | None = None  # ... and the newest
         self._forced = False
         self._forced_at = 0.0  # when a pack was asked for
+        self._records_due: float | None = None  # when lazily queued records go at the latest
         self._counter = 0
         self._wake = trio.Event()
         self._uploads = trio.Semaphore(2)
@@ -331,6 +335,8 @@ class Packer:
                     # MAX_WAITS waits); once they stop, it goes after one wait.
                     wait = self.config.pack_wait
                     due = min(self._newest + wait, self._oldest + MAX_WAITS * wait)
+                if self._records_due is not None:
+                    due = min(due, self._records_due)
                 now = trio.current_time()
                 if self._must_go_now():
                     due = now + HANDOVER_TICK if self._waits_for_handover(now) else now
@@ -357,6 +363,7 @@ class Packer:
             batch[ino] = self._queue.pop(ino)
             size += length
         self._queued_bytes = max(0, self._queued_bytes - size)
+        self._records_due = None  # the outbox goes with this journal
         self._oldest = self._newest = trio.current_time() if self._queue else None
         return batch
 
@@ -436,10 +443,19 @@ class Packer:
         return data, entries
 
     # -- records of changes without data ---------------------------------------
-    def queue_records(self, records: list[Record]) -> None:
-        if records:
-            self.index.queue(records)
+    def queue_records(self, records: list[Record], lazy: bool = False) -> None:
+        """Queue records for the next journal: soon (one pack_wait), or
+        ``lazy``: with the next pack, or after RECORDS_WAITS pack_waits (a
+        directory made and then filled with small files costs one journal,
+        not one for its marker's record and one for its files)."""
+        if not records:
+            return
+        self.index.queue(records)
+        if not lazy:
             self.publish_soon()
+        elif self._records_due is None:
+            self._records_due = trio.current_time() + RECORDS_WAITS * self.config.pack_wait
+            self._wake.set()
 
 
 def entry_fields(entry: PackedEntry) -> dict[str, object]:

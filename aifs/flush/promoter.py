@@ -340,19 +340,18 @@ class Promoter:
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
-            records = []
             if inode.packed or inode.kind == FILE and self.packer.index.entry(key) is not None:
                 # its packed copy, or one of a file this one replaced
-                records.append(deletion(key))
+                self.packer.queue_records([deletion(key)])
             if inode.key and not (streamed and inode.pending & META):
                 # What the object's metadata says, for nodes that list it
                 # (attributes without a HEAD each): a record per name.
                 metadata = to_metadata(inode, self.uid, self.gid)
                 if streamed:
                     metadata.pop("mtime", None)  # the lake's time serves (see _stream_target)
-                records += [object_record(name, etags.get(name, info.etag), metadata)
-                            for name in inode.keys()]
-            self.packer.queue_records(records)
+                self.packer.queue_records(
+                    [object_record(name, etags.get(name, info.etag), metadata)
+                     for name in inode.keys()], lazy=True)
         settled = self.meta.settle(ino, key, done, **fields)
         if settled is None:
             return True
