@@ -235,6 +235,7 @@ class Packer:
         self._forced = False
         self._forced_at = 0.0  # when a pack was asked for
         self._records_due: float | None = None  # when lazily queued records go at the latest
+        self._claimed = 0  # outbox records up to this one are in a journal on its way
         self._counter = 0
         self._wake = trio.Event()
         self._uploads = trio.Semaphore(2)
@@ -392,7 +393,20 @@ class Packer:
     async def _publish(self, batch: dict[int, int]) -> None:
         """One pack of ``batch`` (if any is still as handed over) and one journal
         with it and the queued changes; then settle the packed files."""
-        outbox, last = self.index.outbox_records()
+        # Records another publication in flight took are not taken again: a
+        # sync asking while a pack is on its way would put them in a journal
+        # of their own.
+        claimed = self._claimed
+        outbox, last = self.index.outbox_records(after=claimed)
+        self._claimed = max(self._claimed, last)
+        try:
+            await self._publish_with(batch, outbox, claimed, last)
+        except BaseException:
+            self._claimed = min(self._claimed, claimed)  # taken again by the next
+            raise
+
+    async def _publish_with(self, batch: dict[int, int], outbox: list[Record],
+                            claimed: int, last: int) -> None:
         items = [inode for inode in (self.meta.get(ino) for ino in batch)
                  if inode is not None and not inode.orphan and inode.pending & DATA
                  and self.owner.change_count(inode.ino) == batch[inode.ino]
@@ -412,7 +426,7 @@ class Packer:
             return
         await self.write_journal(records, applied=len(records) - len(outbox))
         if outbox:
-            self.index.drop_outbox(last)
+            self.index.drop_outbox(last, after=claimed)
         for inode, entry in placed:
             self.stats.packed_files += 1
             self.stats.packed_bytes += entry.length

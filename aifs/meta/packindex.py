@@ -408,15 +408,20 @@ class PackIndex:
         return {name for name, value in values.items()
                 if value is not None and not (readable_only and value)}
 
-    def outbox_records(self, limit: int = 100_000) -> tuple[list[Record], int]:
-        """Records waiting to be published, and the sequence number of the last."""
-        out, last = [], 0
+    def outbox_records(self, limit: int = 100_000, after: int = 0
+                       ) -> tuple[list[Record], int]:
+        """Records waiting to be published (those numbered above ``after``),
+        and the sequence number of the last."""
+        out, last = [], after
         with self.env.begin() as txn:
-            for key, value in txn.cursor(db=self.outbox):
-                out.append(json.loads(value))
-                last = int.from_bytes(key, "big")
+            cursor = txn.cursor(db=self.outbox)
+            found = cursor.set_range(u64(after + 1))
+            while found:
+                out.append(json.loads(cursor.value()))
+                last = int.from_bytes(cursor.key(), "big")
                 if len(out) >= limit:
                     break
+                found = cursor.next()
         return out, last
 
     def outbox_size(self) -> int:
@@ -486,10 +491,12 @@ class PackIndex:
                         db=self.outbox)
             packs.write()
 
-    def drop_outbox(self, up_to: int) -> None:
+    def drop_outbox(self, up_to: int, after: int = 0) -> None:
+        """Forget the published records numbered ``after`` + 1 to ``up_to``."""
         with self.env.begin(write=True) as txn:
             cursor = txn.cursor(db=self.outbox)
-            while cursor.first() and int.from_bytes(cursor.key(), "big") <= up_to:
+            while cursor.set_range(u64(after + 1)) \
+                    and int.from_bytes(cursor.key(), "big") <= up_to:
                 cursor.delete()
 
     def forget_pack(self, pack: str) -> None:
