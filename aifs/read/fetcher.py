@@ -249,10 +249,9 @@ class BlockFetcher:
     async def fetch_ahead(self, version: ObjectVersion, index: int) -> None:
         """Fetch a block for a reader still to come (a directory prefetch),
         unless it is at hand or on its way; the caller bounds how many run."""
-        slot = (version.ident, index)
-        flight = self._flights.get(slot)
+        flight = self._flights.get((version.ident, index))
         if flight is None:
-            if slot in self._memory or self.cache.locate(version, index) is not None:
+            if self.available(version, index):
                 return
             flight = self._launch(version, index, prefetch=True, take_slot=False)
         await flight.done.wait()
