@@ -1,0 +1,181 @@
+"""Open files: open, flush, fsync and release, and what each hands to promotion.
+
+A file reaches the lake under its name when closed or fsynced (see
+``docs/SEMANTICS.md``): release schedules its promotion, flush and fsync
+store its size and clear the mark that keeps a crashed writer's bytes out of
+the lake.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import trio
+
+from aifs.checkpoint import Checkpoints
+from aifs.config import Config
+from aifs.errors import FsError
+from aifs.flush.promoter import Promoter
+from aifs.flush.stream import StreamTarget
+from aifs.meta.objattrs import to_metadata as object_metadata
+from aifs.meta.store import Inode, MetaStore
+from aifs.policy import WEIGHTS
+from aifs.posix.inodes import Inodes, OpenFile
+from aifs.posix.reads import Reads
+from aifs.posix.writes import Writes
+from aifs.read.readahead import Readahead
+from aifs.read.scan import DirectoryPrefetch
+
+
+class Files:
+    def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
+                 writes: Writes, promoter: Promoter, checkpoints: Checkpoints,
+                 dir_prefetch: DirectoryPrefetch) -> None:
+        self.inodes = inodes
+        self.config = config
+        self.meta = meta
+        self.local = inodes.local
+        self.reads = reads
+        self.writes = writes
+        self.promoter = promoter
+        self.checkpoints = checkpoints
+        self.dir_prefetch = dir_prefetch
+
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
+        """Open a file; return the handle and whether the kernel may keep the
+        pages it cached for this inode (only if the content did not change
+        behind its back). O_TRUNC arrives here (atomic open-truncate)."""
+        inode = self.inodes.get(ino)
+        if inode.is_dir:
+            raise FsError(errno.EISDIR)
+        writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        kernel_etag = self.inodes.kernel_etag
+        keep_cache = kernel_etag.get(ino) == inode.etag
+        kernel_etag[ino] = inode.etag
+        fh = self.open_handle(inode, writable)
+        handle = self.inodes.files[fh]
+        handle.kill_setid = writable and uid != 0
+        if not writable and self.config.dir_prefetch:
+            self.dir_prefetch.opened(inode, handle.version)
+        if flags & os.O_TRUNC:  # O_RDONLY|O_TRUNC truncates too, as Linux does
+            try:
+                await self.writes.truncate(inode, 0)
+            except BaseException:
+                self.release(fh)
+                raise
+            keep_cache = False
+            if writable:
+                self.maybe_stream(inode)
+        return fh, keep_cache
+
+    def writes_direct(self, flags: int) -> bool:
+        """Whether a handle opened with ``flags`` has its writes passed to the
+        daemon as they come, past the kernel's page cache (FOPEN_DIRECT_IO):
+        write-only handles, which cannot be mapped or read. Through the page
+        cache every written byte was copied once more and kept twice (the
+        mount's pages and the local copy's), and a write of a file past a few
+        GiB so cached ran at a third of the speed. Readers stay right because
+        the kernel drops the pages a direct write covers (6.18 does; see
+        SEMANTICS.md for older kernels)."""
+        return self.config.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
+
+    def maybe_stream(self, inode: Inode) -> None:
+        """A file opened empty for writing may be uploaded as it is written.
+        Whether it is, and how, is settled by :meth:`_stream_target` once it is
+        large enough: most files never are, and a create stays cheap."""
+        self.promoter.streams.candidate(inode.ino, self._stream_target)
+
+    def _stream_target(self, ino: int) -> StreamTarget | None:
+        """Key, local copy and object metadata of a file that reached the
+        streaming threshold, or None if its policy keeps it from streaming
+        (see ``Checkpoints.streams``)."""
+        inode = self.meta.get(ino)
+        if inode is None or inode.orphan or not self.checkpoints.streams(inode):
+            return None
+        metadata = object_metadata(inode, self.inodes.uid, self.inodes.gid)
+        metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
+        return inode.key, str(self.local.path(ino)), metadata
+
+    def open_handle(self, inode: Inode, writable: bool) -> int:
+        inodes = self.inodes
+        fh = next(inodes.handles)
+        ino = inode.ino
+        inodes.opens[ino] = inodes.opens.get(ino, 0) + 1
+        if writable:
+            inodes.writers[ino] = inodes.writers.get(ino, 0) + 1
+        version = self.reads.version(inode)
+        # Weights are read front to back, whole: start at the widest window.
+        first = (self.config.readahead_max if version.policy == WEIGHTS
+                 else self.config.block_size)
+        inodes.files[fh] = OpenFile(ino, version, Readahead(first, self.config.readahead_max),
+                                    writable)
+        return fh
+
+    def _file(self, fh: int) -> OpenFile:
+        handle = self.inodes.files.get(fh)
+        if handle is None:
+            raise FsError(errno.EBADF)
+        return handle
+
+    async def flush(self, fh: int) -> None:
+        handle = self._file(fh)
+        if handle.writable:
+            self.inodes.save_written(handle.ino)
+            self.inodes.clear_unclosed(handle.ino)
+            self.checkpoints.closed(handle.ino)  # before close() returns: a crash keeps it
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        inodes = self.inodes
+        ino = self._file(fh).ino
+        inodes.save_written(ino)
+        await trio.to_thread.run_sync(self.local.sync, ino, limiter=inodes.disk)
+        inodes.write_failed.pop(ino, None)  # what it holds now is what the writer wants
+        inodes.clear_unclosed(ino)
+        await trio.to_thread.run_sync(self.meta.sync, limiter=inodes.disk)
+        if self.config.fsync == "lake":
+            await self.promoter.sync(lambda inode: inode.ino == ino, None)
+
+    def release(self, fh: int) -> None:
+        inodes = self.inodes
+        handle = inodes.files.pop(fh, None)
+        if handle is None:
+            return
+        ino = handle.ino
+        if handle.writable:
+            left = inodes.writers.get(ino, 0) - 1
+            if left > 0:
+                inodes.writers[ino] = left
+            else:
+                self._last_writer_closed(ino)
+        left = inodes.opens.get(ino, 0) - 1
+        if left > 0:
+            inodes.opens[ino] = left
+            return
+        inodes.opens.pop(ino, None)
+        if ino in inodes.stale_local:
+            inodes.stale_local.discard(ino)
+            self.local.remove(ino)
+        inode = self.meta.get(ino)
+        inodes.free_if_unused(ino)
+        if inode is not None and inode.orphan:
+            self.promoter.tombstones_changed()  # its delete waited for the last close
+
+    def _last_writer_closed(self, ino: int) -> None:
+        inodes = self.inodes
+        inodes.writers.pop(ino, None)
+        inodes.save_written(ino)
+        inodes.clear_unclosed(ino)
+        if ino in inodes.written:
+            self.promoter.streams.closed(ino, inodes.written[ino][0],
+                                         inodes.changes.get(ino, 0))
+        inodes.forget_written(ino)
+        inode = self.meta.get(ino)
+        if inode is not None and inode.pending and not inode.orphan:
+            # A streamed file is in parts already, an unfinished marker
+            # guards what follows: no delay. A commit marker waits for
+            # its checkpoint anyway: a rewrite does not push it back.
+            urgent = (self.checkpoints.is_unfinished_marker(inode)
+                      or self.promoter.streams.active(ino))
+            self.promoter.schedule(ino, 0.0 if urgent else None,
+                                   sooner=self.checkpoints.is_marker(inode))

@@ -1,0 +1,282 @@
+"""Directory listings, lookups, getattr and readdir.
+
+A directory is listed from the lake (LIST with a delimiter) merged with the
+pack index, and the result kept in LMDB for ``metadata_ttl`` seconds. Past
+the TTL a known entry is still answered at once while one LIST refreshes the
+directory behind it (up to ``STALE_SERVED`` TTLs); an unknown name waits.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+
+import trio
+
+from aifs.config import Config
+from aifs.errors import FsError, LakeError
+from aifs.flush.packer import Packer, entry_fields
+from aifs.lake.base import ObjectStore
+from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
+from aifs.posix.inodes import Inodes
+from aifs.read.attrs import ObjectAttributes
+
+log = logging.getLogger(__name__)
+
+RESERVED_PREFIX = ".aifs"
+READDIR_BATCH = 1000
+STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
+
+
+class Listings:
+    def __init__(self, inodes: Inodes, config: Config, store: ObjectStore, meta: MetaStore,
+                 packer: Packer, object_attrs: ObjectAttributes) -> None:
+        self.inodes = inodes
+        self.config = config
+        self.store = store
+        self.meta = meta
+        self.packer = packer
+        self.packs = packer.index
+        self.object_attrs = object_attrs
+        self._listing: dict[int, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+        self._warned: set[str] = set()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # -- lookups ------------------------------------------------------------
+    async def lookup(self, parent: int, name: bytes) -> Inode | None:
+        """The child, with one more kernel reference; None if there is none."""
+        self.inodes.counters.lookup_requests += 1
+        directory = self.inodes.directory(parent)
+        if name == b".":
+            child: Inode | None = directory
+        elif name == b"..":
+            child = self.inodes.get(directory.parent)
+        else:
+            if len(name) > 255:
+                raise FsError(errno.ENAMETOOLONG)
+            child = self.meta.lookup(parent, name)
+            if child is None or not self.refresh_behind(directory):
+                await self.ensure_listed(directory)
+                child = self.meta.lookup(parent, name)
+            if child is not None:
+                child = await self.object_attrs.of_entry(parent, name, child)
+                child = self.inodes.get(child.ino)
+        if child is not None:
+            self.inodes.remember(child.ino)
+        return child
+
+    async def getattr(self, ino: int) -> Inode:
+        inode = self.inodes.get(ino)
+        if not inode.is_dir and not inode.orphan and not inode.pending:
+            parent = self.meta.get(inode.parent)
+            if parent is not None and not self.refresh_behind(parent):
+                await self.ensure_listed(parent)
+                inode = self.inodes.get(ino)
+        if not inode.attrs_known and not inode.orphan:
+            await self.object_attrs.load(inode, may_change_kind=False)
+            inode = self.inodes.get(ino)
+        return inode
+
+    async def child(self, parent: int, name: bytes) -> Inode:
+        """An existing child of a listed directory."""
+        await self.ensure_listed(self.inodes.directory(parent))
+        child = self.meta.lookup(parent, name)
+        if child is None:
+            raise FsError(errno.ENOENT)
+        return child
+
+    # -- directories ----------------------------------------------------------
+    async def opendir(self, ino: int) -> int:
+        directory = self.inodes.directory(ino)
+        await self.ensure_listed(directory)
+        fh = next(self.inodes.handles)
+        self.inodes.dirs[fh] = ino
+        return fh
+
+    async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
+        """The next batch of (cookie, name, inode) after ``after_cookie``:
+        ``.`` and ``..`` first (cookies 1 and 2), then the entries, whose
+        stored cookies are shifted by 2.
+
+        readdir reports each entry's type (d_type): an object LIST showed
+        that may be a symlink, FIFO, socket or device (their objects are
+        small: at most PATH_MAX bytes) has its attributes read first, those
+        of one batch in parallel. Larger objects are regular files."""
+        ino = self.inodes.dirs.get(fh)
+        if ino is None:
+            raise FsError(errno.EBADF)
+        batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
+        for _ in range(3):  # entries that move up into the batch are looked at too
+            unknown = [inode for _, _, inode in batch if self.object_attrs.type_unknown(inode)]
+            if not unknown:
+                break
+
+            async def load(inode: Inode) -> None:
+                try:
+                    await self.object_attrs.load(inode, may_change_kind=True)
+                except LakeError as exc:  # listed as a file; a lookup tries again
+                    log.warning("attributes of %s: %s", inode.key, exc)
+
+            async with trio.open_nursery() as nursery:
+                for inode in unknown:
+                    nursery.start_soon(load, inode)
+            # A symlink found gets a new inode number (and cookie: it comes later)
+            batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
+        with_written = self.inodes.with_written
+        out: list[tuple[int, bytes, Inode]] = []
+        if after_cookie < 2:
+            directory = self.inodes.get(ino)
+            if after_cookie < 1:
+                out.append((1, b".", directory))
+            parent = directory if ino == ROOT_INO else self.meta.get(directory.parent)
+            out.append((2, b"..", with_written(parent or directory)))
+        out += [(cookie + 2, name, with_written(inode)) for cookie, name, inode in batch]
+        return out
+
+    def releasedir(self, fh: int) -> None:
+        self.inodes.dirs.pop(fh, None)
+
+    # -- listings -------------------------------------------------------------
+    def fresh(self, directory: Inode) -> bool:
+        return self.inodes.clock() - directory.listed_at < self.config.metadata_ttl
+
+    def refresh_behind(self, directory: Inode) -> bool:
+        """Whether an entry already known in ``directory`` may be answered now,
+        the listing past its TTL refreshed in the background meanwhile: while
+        it is younger than twice the TTL (stale-while-revalidate, so a ``stat``
+        after the TTL does not wait for a LIST). True if the listing is fresh."""
+        age = self.inodes.clock() - directory.listed_at
+        ttl = self.config.metadata_ttl
+        if age < ttl:
+            return True
+        if age >= STALE_SERVED * ttl or self._nursery is None:
+            return False
+        if directory.ino not in self._listing:
+            self._nursery.start_soon(self._refresh, directory)
+        return True
+
+    async def _refresh(self, directory: Inode) -> None:
+        try:
+            await self.ensure_listed(directory)
+        except (LakeError, FsError) as exc:  # the next lookup past the window lists again
+            log.debug("background listing of %r: %s", directory.key, exc)
+
+    async def ensure_listed(self, directory: Inode) -> Inode:
+        """Refresh ``directory`` from LIST if its listing is older than the TTL.
+
+        A listing that started after this call did is fresh enough for it,
+        whatever the TTL (with ``metadata_ttl`` 0 every call lists once)."""
+        called = self.inodes.clock()
+        while not self.fresh(directory):
+            pending = self._listing.get(directory.ino)
+            if pending is not None:
+                await pending.wait()
+            else:
+                done = self._listing[directory.ino] = trio.Event()
+                try:
+                    await self._list(directory)
+                finally:
+                    del self._listing[directory.ino]
+                    done.set()
+            refreshed = self.meta.get(directory.ino)
+            if refreshed is None:
+                raise FsError(errno.ENOENT)
+            if refreshed.listed_at == directory.listed_at:
+                return refreshed  # the listing failed for another waiter: serve what we have
+            directory = refreshed
+            if directory.listed_at >= called:
+                break
+        return directory
+
+    async def _list(self, directory: Inode) -> None:
+        self.inodes.save_dir_times()  # a listing keeps what changed here since it started
+        prefix = directory.key
+        started = self.inodes.clock()
+        entries: dict[str, Listed] = {}
+        async for page in self.store.iter_list(prefix, "/"):
+            for sub in page.prefixes:
+                name = sub[len(prefix):-1]
+                if self._acceptable(directory, name, sub):
+                    entries[name] = Listed(name, DIR, sub, 0, "", started)
+            for obj in page.objects:
+                if obj.key == prefix:
+                    continue  # this directory's own marker object
+                name = obj.key[len(prefix):]
+                if not self._acceptable(directory, name, obj.key):
+                    continue
+                if name in entries:
+                    self._warn_once(obj.key, "a directory of the same name exists; "
+                                    "the object is hidden")
+                    continue
+                entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
+        await self._add_packed(directory, entries, started)
+        # A file listed before the directory of the same name loses too.
+        removed, replaced = await trio.to_thread.run_sync(
+            self.meta.apply_listing, directory.ino, list(entries.values()), started, started)
+        for ino in removed:
+            self.inodes.free_if_unused(ino)
+        local = self.inodes.local
+        for ino in replaced:  # another writer's version: our clean copy is stale
+            if local.has(ino):
+                if self.inodes.is_open(ino):
+                    self.inodes.stale_local.add(ino)
+                else:
+                    local.remove(ino)
+        self.inodes.subdir_counts.pop(directory.ino, None)
+        log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
+
+    async def _add_packed(self, directory: Inode, entries: dict[str, Listed],
+                          started: float) -> None:
+        """Add the packed files (and directories holding them) of a listing.
+
+        A plain object of the same name wins if it is not older than the
+        packed file's record (to the second); a packed copy made by ``aifs
+        pack`` shows only while its original is unchanged (the original is the
+        truth for other tools)."""
+        await self.packer.journals.refresh_if_stale()
+        # A directory may hold 100,000 packed files: merge them in a worker
+        # thread, so other requests go on meanwhile.
+        await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)
+
+    def _merge_packed(self, directory: Inode, entries: dict[str, Listed],
+                      started: float) -> None:
+        prefix = directory.key
+        for name, record in self.packs.objects(prefix).items():
+            name = name.rstrip("/")  # a directory's marker
+            plain = entries.get(name)
+            described = plain and self.object_attrs.from_record(plain, record)
+            if described:
+                entries[name] = described
+        for name, entry in self.packs.children(prefix):
+            if not self._acceptable(directory, name, prefix + name):
+                continue
+            plain = entries.get(name)
+            if entry is None:
+                if plain is None:
+                    entries[name] = Listed(name, DIR, prefix + name + "/", 0, "", started)
+                continue
+            if entry.origin:
+                if plain is None or plain.kind != FILE or plain.etag != entry.origin:
+                    continue
+            elif plain is not None and (plain.kind == DIR or math.floor(plain.mtime)
+                                        >= math.floor(entry.stamp / 1e9)):
+                continue  # the lake's times are whole seconds: a tie goes to the object
+            entries[name] = Listed(name, FILE, entry.key, entry.length, entry.etag,
+                                   entry.mtime_ns / 1e9, entry_fields(entry))
+
+    def _acceptable(self, directory: Inode, name: str, key: str) -> bool:
+        if directory.ino == ROOT_INO and name == RESERVED_PREFIX:
+            return False
+        if not valid_name(name) or "/" in name:
+            self._warn_once(key, "not a valid POSIX name; skipped")
+            return False
+        return True
+
+    def _warn_once(self, key: str, why: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("lake key %r: %s", key, why)

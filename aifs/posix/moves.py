@@ -1,0 +1,159 @@
+"""What a rename does in the lake.
+
+S3 has no rename: what the lake holds under the old name is copied server
+side to the new one (a directory: every object below it, 16 at a time,
+commit markers last) and the old keys become tombstones, deleted by the
+promoter. Packed files move by records instead: a record under the new key
+(the same bytes in the same pack) and a deletion under the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import trio
+
+from aifs.checkpoint import Checkpoints
+from aifs.errors import LakeError, ObjectNotFound
+from aifs.flush.packer import Packer
+from aifs.flush.promoter import Promoter
+from aifs.lake.base import ObjectStore
+from aifs.meta.objattrs import to_metadata as object_metadata
+from aifs.meta.packindex import deletion, is_packed_at
+from aifs.meta.store import DATA, MAYBE_IN_LAKE, META, Inode, MetaStore
+from aifs.posix.inodes import Inodes
+
+COPY_CONCURRENCY = 16
+
+
+class Moves:
+    def __init__(self, inodes: Inodes, store: ObjectStore, meta: MetaStore, packer: Packer,
+                 promoter: Promoter, checkpoints: Checkpoints) -> None:
+        self.inodes = inodes
+        self.store = store
+        self.meta = meta
+        self.packer = packer
+        self.packs = packer.index
+        self.promoter = promoter
+        self.checkpoints = checkpoints
+
+    def packed(self, old_key: str, new_key: str, is_dir: bool) -> None:
+        """Publish a rename of packed files: each gets a record under its new
+        key (the same bytes) and a deletion under the old one. A packed copy
+        made by ``aifs pack`` is dropped: its original was copied in the lake.
+
+        A record moves only when the renamed file's lake copy IS that record:
+        the pack index may still name a file that was replaced while its pack
+        was on the way (its bytes are no one's now), or an older version of a
+        file changed since; those records are deleted, and the file's pending
+        upload writes the new key."""
+        if is_dir:
+            entries = self.packs.under(old_key)
+        else:
+            entry = self.packs.entry(old_key)
+            entries = [entry] if entry is not None else []
+        if not entries:
+            return
+        now = time.time_ns()
+        records = []
+        for entry in entries:
+            records.append(deletion(entry.key, now))
+            if entry.origin:
+                continue
+            moved = dataclasses.replace(entry, key=new_key + entry.key[len(old_key):],
+                                        stamp=now + 1)
+            owner = self.meta.owner_of(moved.key)
+            inode = self.meta.get(owner) if owner is not None else None
+            if inode is None:  # not loaded here (a subtree never listed): the lake's word
+                records.append(moved.record())
+            elif is_packed_at(inode, entry) and not inode.pending & DATA:
+                records.append(moved.record())
+                self.meta.update(inode.ino, etag=moved.etag)
+        self.packer.queue_records(records)
+
+    async def in_lake(self, source: Inode, new_key: str) -> tuple[list[str], dict[str, str]]:
+        """Copy what the lake holds of ``source`` to ``new_key`` (server side);
+        return the old keys to delete and the ETags of the copies."""
+        if not source.is_dir:
+            if not source.in_lake:
+                return [], {}
+            if source.packed and not source.pending & DATA:
+                entry = self.packs.entry(source.key)
+                if entry is not None and not entry.origin:
+                    return [], {}  # no object: the pack index moves it
+            if source.pending & DATA or source.etag == MAYBE_IN_LAKE:
+                return [source.key], {}  # its upload goes to the new key
+            metadata = (object_metadata(source, self.inodes.uid, self.inodes.gid)
+                        if source.pending & META else None)
+            try:
+                etag = await self.store.copy(source.key, new_key, metadata)
+            except ObjectNotFound:
+                return [], {}
+            return [source.key], {new_key: etag}
+        old_keys, copies, markers = await self._objects_below(source, new_key)
+        etags: dict[str, str] = {}
+        limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
+
+        failures: list[LakeError] = []
+
+        async def copy(src: str, dst: str) -> None:
+            async with limiter:
+                try:
+                    etags[dst] = await self.store.copy(src, dst)
+                except ObjectNotFound:
+                    pass  # deleted meanwhile by another writer
+                except LakeError as exc:
+                    failures.append(exc)
+
+        for batch in (copies, markers):
+            async with trio.open_nursery() as nursery:
+                for src, dst in batch:
+                    nursery.start_soon(copy, src, dst)
+            if failures:
+                break
+        if failures:
+            # The rename fails as a whole: the copies already made are deleted.
+            for dst in etags:
+                if self.meta.owner_of(dst) is None:
+                    self.meta.add_tombstone(dst)
+            self.promoter.tombstones_changed()
+            raise failures[0]
+        if source.key not in old_keys:
+            old_keys.append(source.key)  # the marker, if any
+        return old_keys, etags
+
+    async def _objects_below(self, source: Inode, new_key: str) -> tuple[
+            list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+        """The keys below a directory renamed to ``new_key``: all of them (to
+        delete), the (old, new) pairs to copy, and the commit markers' pairs,
+        copied after the rest."""
+        old_keys: list[str] = []
+        copies: list[tuple[str, str]] = []
+        markers: list[tuple[str, str]] = []
+        unpromoted: bool | None = None  # data below not yet in the lake (asked once)
+        async for page in self.store.iter_list(source.key, None):
+            for obj in page.objects:
+                old_keys.append(obj.key)
+                if self.meta.tombstoned(obj.key):
+                    continue
+                owner = self.meta.owner_of(obj.key)
+                owner_inode = self.meta.get(owner) if owner else None
+                if owner_inode is not None and owner_inode.pending & DATA:
+                    continue  # uploaded under its new key later
+                if owner_inode is not None and owner_inode.packed:
+                    entry = self.packs.entry(obj.key)
+                    if entry is not None and not entry.origin \
+                            and is_packed_at(owner_inode, entry):
+                        continue  # a stale object under a packed file's name: deleted
+                pair = (obj.key, new_key + obj.key[len(source.key):])
+                if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
+                    if unpromoted is None:
+                        unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
+                                         for i in self.meta.pending_inodes())
+                    if unpromoted and self.inodes.local.has(owner_inode.ino):
+                        continue  # uploaded again, after the data it commits
+                    markers.append(pair)
+                else:
+                    copies.append(pair)
+        return old_keys, copies, markers

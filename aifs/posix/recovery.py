@@ -1,0 +1,78 @@
+"""At mount: local copies reconciled with the metadata after any exit.
+
+Files written through a handle and neither closed nor fsynced when the node
+went down are not published under their names: the lake keeps its last
+version of each (a half-written checkpoint shard must not replace it), and
+the bytes written go to the recovery directory, for a person to look at
+(``aifs status`` says where).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from aifs.cache.files import LocalFiles
+from aifs.meta.store import DATA, FILE, MetaStore
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(self, meta: MetaStore, local: LocalFiles) -> None:
+        self.meta = meta
+        self.local = local
+        self.recovered_dir = local.root.parent / "recovered"
+        self.recovered_files = 0  # files in it (counted at mount, kept since)
+
+    def recover(self) -> None:
+        """Reconcile local copies with the metadata after any exit."""
+        meta, local = self.meta, self.local
+        self._recover_unclosed()
+        for ino in meta.purge_orphans():
+            local.remove(ino)
+        pending = {inode.ino: inode for inode in meta.pending_inodes()}
+        for ino in local.inos():
+            inode = pending.get(ino) or meta.get(ino)
+            if inode is None:
+                local.remove(ino)
+            elif ino in pending and inode.pending & DATA:
+                size = os.path.getsize(local.path(ino))
+                if size != inode.size:  # written after the last save: the copy is the truth
+                    st = os.stat(local.path(ino))
+                    meta.update(ino, size=size, mtime_ns=st.st_mtime_ns)
+            else:
+                local.mark_clean(ino)
+        for ino, inode in pending.items():
+            if inode.pending & DATA and inode.kind == FILE and not inode.size \
+                    and not local.has(ino):
+                local.create(ino)  # created, the daemon killed before its copy was
+                local.mark_dirty(ino)
+        if pending:
+            log.info("%d inodes have changes not yet in the lake: promoting them",
+                     len(pending))
+
+    def _recover_unclosed(self) -> None:
+        if self.recovered_dir.is_dir():  # counted once here, not per status request
+            self.recovered_files = sum(len(f) for _, _, f in os.walk(self.recovered_dir))
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for ino in self.meta.unclosed():
+            inode = self.meta.get(ino)
+            if inode is not None and self.local.has(ino) and not inode.orphan:
+                # under its key; by inode number where no path here can hold the key
+                names = list(dict.fromkeys((inode.key or str(ino), str(ino))))
+                for name in names:
+                    target = self.recovered_dir / stamp / name
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        os.rename(self.local.path(ino), target)
+                        break
+                    except OSError:
+                        if name == names[-1]:
+                            raise  # kept where it is: nothing is dropped unsaved
+                self.recovered_files += 1
+                log.warning("%s was open for writing when the node went down: not "
+                            "published; the bytes written are in %s", inode.key, target)
+            self.local.remove(ino)
+            self.meta.unpublish(ino)
