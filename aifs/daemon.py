@@ -253,7 +253,7 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     import pyfuse3
 
     from aifs.core import Filesystem
-    from aifs.fuse_ops import Operations
+    from aifs.fuse.pyfuse3_adapter import Operations
     from aifs.meta.store import MetaStore
     from aifs.metrics import serve_http
     await store.check()

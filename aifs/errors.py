@@ -71,7 +71,7 @@ class InvalidKey(LakeError):
 
 
 class FsError(Exception):
-    """A POSIX error raised by core; fuse_ops turns it into FUSEError."""
+    """A POSIX error raised by core; the binding turns it into FUSEError."""
 
     def __init__(self, err: int, message: str = "") -> None:
         super().__init__(message or errno.errorcode.get(err, str(err)))

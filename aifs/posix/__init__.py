@@ -23,5 +23,5 @@ parts and hands each call to the one that owns it:
 
 No pyfuse3 here: tests drive these without a mount. May import ``cache``,
 ``flush``, ``read``, ``meta``, ``lake``, ``policy``, ``checkpoint``,
-``xattrs``, ``errors``, ``config``; never ``core``, ``fuse_ops`` or ``daemon``.
+``xattrs``, ``errors``, ``config``; never ``core``, ``fuse`` or ``daemon``.
 """
