@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
 STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
+LIST_AHEAD = 4  # subdirectories of a directory being read listed at once, in the background
 
 
 class Listings:
@@ -42,6 +43,10 @@ class Listings:
         self._listing: dict[int, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._warned: set[str] = set()
+        # directories read (opendir) or listed ahead -> their subdirectories' names
+        self._reading: set[int] = set()
+        self._subdirs: dict[int, list[str]] = {}
+        self._ahead = trio.CapacityLimiter(LIST_AHEAD)
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -92,10 +97,41 @@ class Listings:
     # -- directories ----------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         directory = self.inodes.directory(ino)
-        await self.ensure_listed(directory)
+        self._reading.add(ino)
+        try:
+            await self.ensure_listed(directory)
+        finally:
+            self._reading.discard(ino)
+        self._list_ahead(ino)
         fh = next(self.inodes.handles)
         self.inodes.dirs[fh] = ino
         return fh
+
+    def _list_ahead(self, ino: int) -> None:
+        """A directory being read is likely walked (``find``, ``du``, a
+        DataLoader indexing its dataset), and a walker lists one directory
+        after another: the subdirectories its listing found are listed in the
+        background, LIST_AHEAD at a time, so the walker finds them listed.
+        Their own subdirectories follow when they are read in turn."""
+        names = self._subdirs.pop(ino, None)
+        if not names or self._nursery is None:
+            return
+        for name in names:
+            child = self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))
+            if child is not None and child.is_dir and not self.fresh(child) \
+                    and child.ino not in self._listing:
+                self._nursery.start_soon(self._ahead_of_reader, child.ino)
+
+    async def _ahead_of_reader(self, ino: int) -> None:
+        async with self._ahead:
+            directory = self.meta.get(ino)  # the reader may have listed it meanwhile
+            if directory is None or self.fresh(directory) or ino in self._listing:
+                return
+            self._reading.add(ino)
+            try:
+                await self._refresh(directory)
+            finally:
+                self._reading.discard(ino)
 
     async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
         """The next batch of (cookie, name, inode) after ``after_cookie``:
@@ -227,6 +263,11 @@ class Listings:
                 else:
                     local.remove(ino)
         self.inodes.subdir_counts.pop(directory.ino, None)
+        if directory.ino in self._reading and self.config.list_ahead:
+            subdirs = [name for name, entry in entries.items() if entry.kind == DIR]
+            self._subdirs[directory.ino] = subdirs[:self.config.list_ahead]
+            if len(self._subdirs) > 1024:  # listed ahead and never read
+                self._subdirs.pop(next(iter(self._subdirs)))
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     async def _add_packed(self, directory: Inode, entries: dict[str, Listed],
