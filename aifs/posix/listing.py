@@ -8,9 +8,11 @@ directory behind it (up to ``STALE_SERVED`` TTLs); an unknown name waits.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
+from collections.abc import Iterator
 
 import trio
 
@@ -44,7 +46,7 @@ class Listings:
         self._nursery: trio.Nursery | None = None
         self._warned: set[str] = set()
         # directories read (opendir) or listed ahead -> their subdirectories' names
-        self._reading: set[int] = set()
+        self._reading: dict[int, int] = {}  # ino -> listings of it asked for a read
         self._subdirs: dict[int, list[str]] = {}
         self._ahead = trio.CapacityLimiter(LIST_AHEAD)
 
@@ -97,11 +99,8 @@ class Listings:
     # -- directories ----------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         directory = self.inodes.directory(ino)
-        self._reading.add(ino)
-        try:
+        with self._read(ino):
             await self.ensure_listed(directory)
-        finally:
-            self._reading.discard(ino)
         self._list_ahead(ino)
         fh = next(self.inodes.handles)
         self.inodes.dirs[fh] = ino
@@ -114,8 +113,8 @@ class Listings:
         background, LIST_AHEAD at a time, so the walker finds them listed.
         Their own subdirectories follow when they are read in turn."""
         names = self._subdirs.pop(ino, None)
-        if not names or self._nursery is None:
-            return
+        if not names or self._nursery is None or not self.config.metadata_ttl:
+            return  # (with no TTL a listing is never kept: the reader lists again)
         for name in names:
             child = self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))
             if child is not None and child.is_dir and not self.fresh(child) \
@@ -127,11 +126,20 @@ class Listings:
             directory = self.meta.get(ino)  # the reader may have listed it meanwhile
             if directory is None or self.fresh(directory) or ino in self._listing:
                 return
-            self._reading.add(ino)
-            try:
+            with self._read(ino):
                 await self._refresh(directory)
-            finally:
-                self._reading.discard(ino)
+
+    @contextlib.contextmanager
+    def _read(self, ino: int) -> Iterator[None]:
+        """While a listing of ``ino`` is for reading it: its subdirectories are noted."""
+        self._reading[ino] = self._reading.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            if self._reading[ino] == 1:
+                del self._reading[ino]
+            else:
+                self._reading[ino] -= 1
 
     async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
         """The next batch of (cookie, name, inode) after ``after_cookie``:
