@@ -197,3 +197,20 @@ def test_a_record_that_comes_after_its_object_was_listed_gives_its_attributes(tm
     meta.update(ino, mode=0o640)  # known (here, say by a chmod promoted since)
     meta.apply_listing(ROOT_INO, [described] + _files("b"), now=3)
     assert meta.get(ino).mode == 0o640
+
+
+def test_every_database_is_in_the_schema_table(tmp_path):
+    """aifs.meta.schema tables every database of the environment: the store
+    and the pack index open exactly those, and the table names each."""
+    from aifs.meta import schema
+    from aifs.meta.packindex import PackIndex
+
+    meta = MetaStore(tmp_path / "m")
+    PackIndex(meta)
+    with meta.env.begin() as txn:
+        names = {bytes(key) for key, _ in txn.cursor()}
+    assert names == set(schema.DATABASES)
+    assert len(schema.DATABASES) <= schema.MAX_DBS
+    rows = {line.split()[0] for line in schema.__doc__.splitlines() if line[:1].isalpha()}
+    assert {name.decode() for name in schema.DATABASES} <= rows
+    meta.close()

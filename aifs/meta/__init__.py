@@ -1,4 +1,23 @@
-"""Node-local metadata in LMDB: see :mod:`aifs.meta.store` for the key schema."""
+"""Node-local metadata in LMDB: the inodes, names and dirty state of one node.
+
+What lives where:
+
+- :mod:`aifs.meta.schema`: the on-disk form, the one table of every LMDB
+  database and key, the database names, key encodings and schema versions
+- :mod:`aifs.meta.inode`: the ``Inode`` record, file kinds, pending flags,
+  ``Listed``, ``valid_name``
+- :mod:`aifs.meta.store`: ``MetaStore``, assembled from
+  :mod:`aifs.meta.base` (environment and in-transaction primitives),
+  :mod:`aifs.meta.listing`, :mod:`aifs.meta.names` and
+  :mod:`aifs.meta.promotion`; it re-exports the names above
+- :mod:`aifs.meta.packindex`: the pack index (packed files, journals, outbox)
+- :mod:`aifs.meta.objattrs`: POSIX attributes in object user metadata
+
+Imports: this package uses only :mod:`aifs.errors`, the standard library,
+``lmdb`` and ``xxhash``, never the rest of aifs (which builds on it). Inside
+it, modules import downwards: schema <- inode <- base <- listing, names,
+promotion <- store <- packindex; objattrs uses inode alone.
+"""
 
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
 

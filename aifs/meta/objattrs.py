@@ -19,7 +19,7 @@ import logging
 import stat
 import urllib.parse
 
-from aifs.meta.store import BLK, CHR, DIR, FIFO, FILE, LINK, SOCK, SPECIAL, Inode
+from aifs.meta.inode import BLK, CHR, DIR, FIFO, FILE, LINK, SOCK, SPECIAL, Inode
 
 log = logging.getLogger(__name__)
 

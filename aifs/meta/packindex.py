@@ -8,25 +8,9 @@ all nodes agree on the packed files, whoever wrote them. Records are applied
 last writer wins, per key, by their time stamp, so the order in which a node
 reads journals does not matter.
 
-LMDB databases (in the metadata store's environment):
-
-==========  ===============================  ==========================================
-database    key                              value
-==========  ===============================  ==========================================
-packed      lake key, UTF-8                  the newest record of the key (JSON): a put
-                                             (where its bytes are), a del (gone) or an
-                                             obj (a plain object: its ETag and metadata)
-packmember  pack id ++ NUL ++ u64 offset     lake key of a live entry of that pack
-pack        pack id                          JSON {size, live, t, dead_since}: live
-                                             bytes, for compaction and collection
-journal     journal (or fold) name           replayed here already: empty, or "!"
-                                             if it could not be read
-outbox      u64 sequence number              a record of a local change without new
-                                             data (delete, rename, chmod) waiting to
-                                             be published in the next journal
-sys         ``packs_replayed_at``            u64 wall time (ns) of the LIST of the last
-                                             complete replay
-==========  ===============================  ==========================================
+LMDB databases (in the metadata store's environment): ``packed``,
+``packmember``, ``pack``, ``journal``, ``outbox`` and the ``sys`` key
+``packs_replayed_at``, tabled with all the others in :mod:`aifs.meta.schema`.
 """
 
 from __future__ import annotations
@@ -41,15 +25,22 @@ from typing import Any
 import lmdb
 import xxhash
 
-from aifs.meta.store import (
-    Inode,
-    MetaStore,
+from aifs.meta.inode import Inode
+from aifs.meta.schema import (
+    DB_JOURNAL,
+    DB_OUTBOX,
+    DB_PACK,
+    DB_PACKED,
+    DB_PACKMEMBER,
+    SYS_NEXT_OUTBOX,
+    SYS_PACKS_REPLAYED_AT,
     compact_json,
     is_hashed,
     key_bytes,
     scan_prefix,
     u64,
 )
+from aifs.meta.store import MetaStore
 
 PACK_DIR = ".aifs/packs/"
 JOURNAL_DIR = ".aifs/journal/"
@@ -233,11 +224,11 @@ def is_packed_at(inode: Inode, entry: PackedEntry) -> bool:
 class PackIndex:
     def __init__(self, meta: MetaStore) -> None:
         self.env = meta.env
-        self.entries = self.env.open_db(b"packed")
-        self.members = self.env.open_db(b"packmember")
-        self.packs = self.env.open_db(b"pack")
-        self.journals = self.env.open_db(b"journal")
-        self.outbox = self.env.open_db(b"outbox")
+        self.entries = self.env.open_db(DB_PACKED)
+        self.members = self.env.open_db(DB_PACKMEMBER)
+        self.packs = self.env.open_db(DB_PACK)
+        self.journals = self.env.open_db(DB_JOURNAL)
+        self.outbox = self.env.open_db(DB_OUTBOX)
         self.sys = meta.sys
         self._sizes: dict[str, int] = {}  # pack id -> size, see pack_size
 
@@ -450,12 +441,12 @@ class PackIndex:
         """Wall time (ns) of the listing of the last complete replay (0: never):
         every journal in the lake before then was read here."""
         with self.env.begin() as txn:
-            raw = txn.get(b"packs_replayed_at", db=self.sys)
+            raw = txn.get(SYS_PACKS_REPLAYED_AT, db=self.sys)
         return int.from_bytes(raw, "big") if raw else 0
 
     def set_replayed_at(self, ns: int) -> None:
         with self.env.begin(write=True) as txn:
-            txn.put(b"packs_replayed_at", u64(ns), db=self.sys)
+            txn.put(SYS_PACKS_REPLAYED_AT, u64(ns), db=self.sys)
 
     def is_empty(self) -> bool:
         with self.env.begin() as txn:
@@ -467,7 +458,7 @@ class PackIndex:
         with self.env.begin(write=True) as txn:
             for db in (self.entries, self.members, self.packs, self.journals):
                 txn.drop(db, delete=False)
-            txn.delete(b"packs_replayed_at", db=self.sys)
+            txn.delete(SYS_PACKS_REPLAYED_AT, db=self.sys)
             packs = _PackInfos(txn, self.packs)
             for _, raw in txn.cursor(db=self.outbox):
                 self._apply(txn, json.loads(raw), packs)
@@ -484,9 +475,9 @@ class PackIndex:
             packs = _PackInfos(txn, self.packs)
             for record in records:
                 self._apply(txn, record, packs)
-                raw = txn.get(b"next_outbox", db=self.sys)
+                raw = txn.get(SYS_NEXT_OUTBOX, db=self.sys)
                 seq = int.from_bytes(raw, "big") if raw else 1
-                txn.put(b"next_outbox", u64(seq + 1), db=self.sys)
+                txn.put(SYS_NEXT_OUTBOX, u64(seq + 1), db=self.sys)
                 txn.put(u64(seq), compact_json(record).encode(),
                         db=self.outbox)
             packs.write()

@@ -1,0 +1,151 @@
+"""Inode records: what the metadata store keeps of each file, directory and link.
+
+The ``Inode`` dataclass and its stored form (``encode``/``decode``, in the
+``inode`` database of :mod:`aifs.meta.schema`), the file kinds, the
+``Inode.pending`` flags, ``Listed`` (a child as a LIST reports it, the input
+of :meth:`aifs.meta.store.MetaStore.apply_listing`) and ``valid_name``. Plain
+values with no transaction in sight: everything that reads or writes LMDB is
+in the store's modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import MISSING, dataclass, field, fields
+
+from aifs.meta.schema import compact_json
+
+ROOT_INO = 1
+FILE = "file"
+DIR = "dir"
+LINK = "symlink"
+FIFO = "fifo"
+CHR = "chr"
+BLK = "blk"
+SOCK = "sock"
+#: kinds without content: their object (s3fs's form) is empty, the type is in ``mode``
+SPECIAL = (FIFO, CHR, BLK, SOCK)
+
+#: ``Inode.pending`` flags: what of the inode the lake does not have yet
+DATA = 1  # the local copy (or symlink target) is newer than the lake object
+META = 2  # attributes or xattrs are newer (for a directory: its marker object)
+#: ``Inode.etag`` of a new inode whose key may still hold an older object
+MAYBE_IN_LAKE = "?"
+
+
+def valid_name(name: str) -> bool:
+    """Whether a lake key component can be a POSIX file name."""
+    raw = name.encode("utf-8", "surrogateescape")
+    return bool(raw) and name not in (".", "..") and len(raw) <= 255 and "\0" not in name
+
+
+DECODED_KEPT = 16384
+
+
+@dataclass
+class Inode:
+    ino: int
+    kind: str
+    key: str
+    parent: int
+    size: int = 0
+    etag: str = ""  # the lake version this inode's content came from ("" none)
+    mtime_ns: int = 0
+    atime_ns: int = 0  # 0: as mtime (never set explicitly)
+    rdev: int = 0  # device number of a character or block device
+    mode: int = -1  # permission bits (with set-ID and sticky); -1: the default for the kind
+    uid: int = -1  # -1: the mounting user
+    gid: int = -1
+    listed_at: float = 0.0
+    orphan: bool = False
+    ctime: float = 0.0  # wall time of the last local change (listings never undo it)
+    attrs_known: bool = False  # mode/owner/xattrs/kind read from the object (or local)
+    pending: int = 0  # DATA | META
+    target: str = ""  # symlink target
+    pinned: bool = False  # node-local: kept in the cache (aifs pin), inherited below a dir
+    pack: str = ""  # packed: the id of the pack object that holds the bytes ("" plain)
+    pack_offset: int = 0  # ... where in the pack they start
+    checksum: str = ""  # ... and their xxh3, verified on every read from the lake
+    xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
+    #: hard links: [parent ino, lake key] of each name besides (parent, key)
+    links: list[list] = field(default_factory=list)
+    link_id: str = ""  # the names' group id, in each name's object metadata
+    nlink_hint: int = 0  # st_nlink the lake's metadata told, before all names were seen
+
+    def encode(self) -> bytes:
+        """The record as stored: fields at their defaults are left out (most
+        are, for a listed object: a third of the bytes of a full record), and
+        ``decode`` gives them back."""
+        return compact_json({name: value for name, value in self.__dict__.items()
+                             if name not in _INODE_DEFAULTS
+                             or value != _INODE_DEFAULTS[name]}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Inode:
+        """The record as an Inode of its own (callers change it freely).
+
+        Decoded records are remembered by their bytes: the same record is read
+        many times (a lookup, an open, a release), and a copy costs a fraction
+        of parsing the JSON again."""
+        key = bytes(raw)
+        known = _DECODED.get(key)
+        if known is None:
+            known = cls(**json.loads(key))
+            if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
+                for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
+                    del _DECODED[old]
+            _DECODED[key] = known
+        inode = cls.__new__(cls)
+        inode.__dict__.update(known.__dict__)
+        if known.xattrs:
+            inode.xattrs = dict(known.xattrs)
+        if known.links:
+            inode.links = [list(link) for link in known.links]
+        return inode
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == DIR
+
+    @property
+    def nlink(self) -> int:
+        """Names of a non-directory (0 once unlinked and still open)."""
+        if self.orphan:
+            return 0
+        return max(1 + len(self.links), self.nlink_hint)
+
+    def keys(self) -> list[str]:
+        """Every lake key of the inode's names, the primary first."""
+        return [self.key] + [key for _, key in self.links]
+
+    @property
+    def packed(self) -> bool:
+        """Whether the lake holds this file's bytes in a pack (not an object)."""
+        return bool(self.pack)
+
+    @property
+    def in_lake(self) -> bool:
+        """Whether an object may exist under this inode's key."""
+        return bool(self.etag)
+
+
+_DECODED: dict[bytes, Inode] = {}
+#: fields left out of a stored record when they hold these values
+_INODE_DEFAULTS: dict[str, object] = {
+    f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+    for f in fields(Inode) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One child of a directory as a LIST reported it."""
+
+    name: str
+    kind: str
+    key: str
+    size: int = 0
+    etag: str = ""
+    mtime: float = 0.0
+    #: further inode fields a packed file's listing knows (pack, owner, mode ...)
+    fields: dict[str, object] | None = None

@@ -1,0 +1,107 @@
+"""Applying a directory listing: the lake's view of a directory, merged into the store.
+
+``ListingMixin.apply_listing`` makes a directory's children match a fresh
+LIST in one transaction, with this node's local state winning (tombstones,
+pending changes, changes since the LIST started, hard-linked names); ``_link``
+adds one listed child. A mixin over :class:`aifs.meta.base.StoreBase` (see
+there why mixins): the merge is one transaction built from the base's
+primitives, and callers keep calling ``MetaStore.apply_listing``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import lmdb
+
+from aifs.meta.base import StoreBase
+from aifs.meta.inode import DIR, FILE, LINK, Inode, Listed
+from aifs.meta.schema import SYS_NEXT_COOKIE, SYS_NEXT_INO, U64, U64X2, key_bytes, u64
+
+
+class ListingMixin(StoreBase):
+    def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
+                      started: float | None = None) -> tuple[list[int], list[int]]:
+        """Make ``parent``'s children match a fresh LIST; return the inodes
+        removed and those whose object another writer replaced.
+
+        Local state wins over the listing: tombstoned keys stay hidden, entries
+        with pending changes or changed locally since the LIST ``started``
+        stay as they are. An object whose ETag changed is another writer's new
+        version: its size and mtime are taken and its attributes read anew.
+        Removed inodes stay as orphans until the kernel forgets them.
+        """
+        prefix = u64(parent)
+        removed: list[int] = []
+        replaced: list[int] = []
+        started = time.time() if started is None else started
+        with self.env.begin(write=True) as txn:
+            existing = dict(self._children(parent, txn))
+            for entry in listed:
+                name = key_bytes(entry.name)
+                if txn.get(key_bytes(entry.key), db=self.tombs) is not None \
+                        and not (entry.fields or {}).get("pack"):
+                    continue  # deleted here; a packed file's own record says if it lives
+                value = existing.pop(name, None)
+                if value is not None:
+                    current = Inode.decode(txn.get(value[:8], db=self.inodes))
+                    if current.pending or current.ctime >= started or current.links \
+                            or self._settled_at.get(current.ino, 0.0) >= started:
+                        continue  # (a hard-linked inode's names are this node's)
+                    if current.kind == entry.kind or (current.kind == LINK
+                                                      and entry.kind == FILE):
+                        if current.etag == entry.etag and current.key == entry.key \
+                                and not current.attrs_known and entry.fields \
+                                and entry.fields.get("attrs_known"):
+                            # the record of this version came after it was listed
+                            for name, field_value in entry.fields.items():
+                                setattr(current, name, field_value)
+                            self._put(txn, current)
+                        elif current.etag != entry.etag or current.key != entry.key:
+                            replaced.append(current.ino)
+                            current.size, current.etag = entry.size, entry.etag
+                            current.mtime_ns, current.key = int(entry.mtime * 1e9), entry.key
+                            if current.kind != DIR:
+                                current.attrs_known = False
+                                current.kind = entry.kind
+                                current.pack, current.pack_offset, current.checksum = "", 0, ""
+                                for name, field_value in (entry.fields or {}).items():
+                                    setattr(current, name, field_value)
+                            self._put(txn, current)
+                        continue
+                    removed.append(U64X2.unpack(value[:16])[0])
+                    self._remove(txn, parent, name, value, tomb=False)
+                self._link(txn, parent, name, entry)
+            for name, value in existing.items():
+                raw = txn.get(value[:8], db=self.inodes)
+                if raw:
+                    current = Inode.decode(raw)
+                    if current.pending or current.ctime >= started \
+                            or self._settled_at.get(current.ino, 0.0) >= started:
+                        continue  # in the lake since the LIST began, or not yet
+                removed.append(U64X2.unpack(value[:16])[0])
+                self._remove(txn, parent, name, value, tomb=False)
+            raw = txn.get(prefix, db=self.inodes)
+            if raw:
+                dir_inode = Inode.decode(raw)
+                dir_inode.listed_at = time.time() if now is None else now
+                txn.put(prefix, dir_inode.encode(), db=self.inodes)
+        return removed, replaced
+
+    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed) -> int:
+        objkey = key_bytes(entry.key)
+        raw_ino = txn.get(objkey, db=self.objkeys)
+        if raw_ino is not None and b'"links":[[' in (txn.get(raw_ino, db=self.inodes) or b""):
+            raw_ino = None  # a name of a hard-linked inode: that record stays whole
+        ino = U64.unpack(raw_ino)[0] if raw_ino else self._counter(txn, SYS_NEXT_INO, 2)
+        cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
+        inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
+                      int(entry.mtime * 1e9))
+        for field_name, value in (entry.fields or {}).items():
+            setattr(inode, field_name, value)
+        txn.put(u64(ino), inode.encode(), db=self.inodes)
+        txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
+        txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
+        txn.put(objkey, u64(ino), db=self.objkeys)
+        return ino
