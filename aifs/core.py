@@ -24,12 +24,12 @@ from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
-from aifs.flush.compaction import Compactor, Upkeep
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.store import Inode, MetaStore
 from aifs.metrics import Metrics
+from aifs.pack.compaction import Compactor, Upkeep
 from aifs.posix.control import Control
 from aifs.posix.files import Files
 from aifs.posix.hosting import Hosting

@@ -17,8 +17,8 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.core import Filesystem, SetAttributes
 from aifs.lake.local import LocalStore
-from aifs.meta.packindex import JOURNAL_DIR, PACK_DIR
 from aifs.meta.store import ROOT_INO, MetaStore
+from aifs.pack.index import JOURNAL_DIR, PACK_DIR
 
 MiB = 1 << 20
 

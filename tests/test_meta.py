@@ -203,7 +203,7 @@ def test_every_database_is_in_the_schema_table(tmp_path):
     """aifs.meta.schema tables every database of the environment: the store
     and the pack index open exactly those, and the table names each."""
     from aifs.meta import schema
-    from aifs.meta.packindex import PackIndex
+    from aifs.pack.index import PackIndex
 
     meta = MetaStore(tmp_path / "m")
     PackIndex(meta)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from aifs.flush.packer import Journals, PackStats
 from aifs.lake.local import LocalStore
-from aifs.meta.packindex import (
+from aifs.meta.store import MetaStore
+from aifs.pack.index import (
     FOLD_SUFFIX,
     JOURNAL_DIR,
     JOURNAL_SUFFIX,
@@ -25,7 +25,7 @@ from aifs.meta.packindex import (
     encode_fold,
     read_fold,
 )
-from aifs.meta.store import MetaStore
+from aifs.pack.journals import Journals, PackStats
 
 
 def put(key: str, pack: str, offset: int, length: int, stamp: int) -> dict:

@@ -26,13 +26,13 @@ import trio
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, lake_error_in
-from aifs.flush.packer import Packer
 from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import to_metadata
-from aifs.meta.packindex import PackedEntry, deletion, is_packed_at, object_record
 from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
+from aifs.pack.index import PackedEntry, deletion, is_packed_at, object_record
+from aifs.pack.packer import Packer
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,14 @@ What lives where:
   :mod:`aifs.meta.base` (environment and in-transaction primitives),
   :mod:`aifs.meta.listing`, :mod:`aifs.meta.names` and
   :mod:`aifs.meta.promotion`; it re-exports the names above
-- :mod:`aifs.meta.packindex`: the pack index (packed files, journals, outbox)
 - :mod:`aifs.meta.objattrs`: POSIX attributes in object user metadata
 
 Imports: this package uses only :mod:`aifs.errors`, the standard library,
 ``lmdb`` and ``xxhash``, never the rest of aifs (which builds on it). Inside
 it, modules import downwards: schema <- inode <- base <- listing, names,
-promotion <- store <- packindex; objattrs uses inode alone.
+promotion <- store; objattrs uses inode alone. The pack index keeps its
+records in the same environment (:mod:`aifs.pack.index`; its databases are
+in the schema table too).
 """
 
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name

@@ -41,7 +41,7 @@ sys         a name (the last table)          counters and settings of the store 
                                              pack index, one per key
 ==========  ===============================  ==========================================
 
-The pack index (:mod:`aifs.meta.packindex`; ``docs/packing.md``):
+The pack index (:mod:`aifs.pack.index`; ``docs/packing.md``):
 
 ==========  ===============================  ==========================================
 database    key                              value

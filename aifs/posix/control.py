@@ -26,10 +26,10 @@ from aifs.cache.blocks import BlockCache
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError, LakeError
-from aifs.flush.compaction import Compactor, Upkeep
 from aifs.flush.promoter import Promoter
 from aifs.meta.objattrs import MAX_XATTR_BYTES, encode_xattrs
 from aifs.meta.store import DIR, LINK, MAYBE_IN_LAKE, META, ROOT_INO, Inode, MetaStore
+from aifs.pack.compaction import Compactor, Upkeep
 from aifs.policy import POLICIES
 from aifs.posix.hosting import Hosting
 from aifs.posix.inodes import Inodes, name_of

@@ -18,9 +18,9 @@ import trio
 
 from aifs.config import Config
 from aifs.errors import FsError, LakeError
-from aifs.flush.packer import Packer, entry_fields
 from aifs.lake.base import ObjectStore
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
+from aifs.pack.packer import Packer, entry_fields
 from aifs.posix.inodes import Inodes
 from aifs.read.attrs import ObjectAttributes
 

@@ -16,12 +16,12 @@ import trio
 
 from aifs.checkpoint import Checkpoints
 from aifs.errors import LakeError, ObjectNotFound
-from aifs.flush.packer import Packer
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import to_metadata as object_metadata
-from aifs.meta.packindex import deletion, is_packed_at
 from aifs.meta.store import DATA, MAYBE_IN_LAKE, META, Inode, MetaStore
+from aifs.pack.index import deletion, is_packed_at
+from aifs.pack.packer import Packer
 from aifs.posix.inodes import Inodes
 
 COPY_CONCURRENCY = 16

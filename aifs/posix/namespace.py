@@ -16,11 +16,9 @@ import time
 
 from aifs.checkpoint import Checkpoints
 from aifs.errors import FsError
-from aifs.flush.packer import Packer
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import kind_of
-from aifs.meta.packindex import deletion
 from aifs.meta.store import (
     BLK,
     CHR,
@@ -34,6 +32,8 @@ from aifs.meta.store import (
     Inode,
     MetaStore,
 )
+from aifs.pack.index import deletion
+from aifs.pack.packer import Packer
 from aifs.posix.files import Files
 from aifs.posix.inodes import Inodes, name_of
 from aifs.posix.listing import RESERVED_PREFIX, Listings

@@ -17,9 +17,9 @@ from aifs.cache.blocks import ObjectVersion
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError
-from aifs.flush.packer import Packer
-from aifs.meta.packindex import pack_key
 from aifs.meta.store import Inode
+from aifs.pack.index import pack_key
+from aifs.pack.packer import Packer
 from aifs.policy import DATASET
 from aifs.posix.inodes import Inodes, OpenFile
 from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify

@@ -22,8 +22,8 @@ from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import apply_metadata
-from aifs.meta.packindex import Record
 from aifs.meta.store import DIR, FILE, Inode, Listed, MetaStore
+from aifs.pack.index import Record
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import trio
 from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.errors import CorruptData, LakeError, PreconditionFailed
 from aifs.lake.base import ObjectStore
-from aifs.meta.packindex import checksum
+from aifs.pack.index import checksum
 
 log = logging.getLogger(__name__)
 

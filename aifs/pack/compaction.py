@@ -35,9 +35,9 @@ import trio
 
 from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, PreconditionFailed
-from aifs.flush.packer import Packer
 from aifs.lake.base import ObjectInfo, ObjectStore
-from aifs.meta.packindex import (
+from aifs.meta.store import MetaStore, valid_name
+from aifs.pack.index import (
     FOLD_SUFFIX,
     JOURNAL_DIR,
     PACK_DIR,
@@ -47,7 +47,7 @@ from aifs.meta.packindex import (
     encode_fold,
     pack_key,
 )
-from aifs.meta.store import MetaStore, valid_name
+from aifs.pack.packer import Packer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,169 @@
+"""Reading the lake's journals into the local pack index (replay).
+
+A node learns what other nodes packed (and the attributes of the plain
+objects they wrote) by replaying the journals under ``.aifs/journals/``:
+listed, fetched many at once, applied in order; folds (compacted journals)
+replace what they cover. A refresh runs at most once per ``metadata_ttl``,
+the same freshness as directory listings, however many listings ask.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from aifs.errors import ObjectNotFound
+from aifs.lake.base import ObjectStore
+from aifs.pack.index import FOLD_SUFFIX, JOURNAL_DIR, PackIndex, decode_journal, read_fold
+
+log = logging.getLogger(__name__)
+
+JOURNALS_AT_ONCE = 16
+REPLAY_ROUNDS = 3  # listings in one refresh while journals vanish under it (folds)
+
+
+@dataclass
+class PackStats:
+    packs: int = 0
+    packed_files: int = 0
+    packed_bytes: int = 0
+    journals: int = 0
+    journals_read: int = 0
+    corrupt: int = 0
+
+
+
+class _ReplayFromScratch(Exception):
+    pass
+
+
+class Journals:
+    """Replays the lake's journals into the local pack index."""
+
+    def __init__(self, store: ObjectStore, index: PackIndex, ttl: float,
+                 stats: PackStats) -> None:
+        self.store = store
+        self.index = index
+        self.ttl = ttl
+        self.stats = stats
+        self._refreshed = -float("inf")
+        self._running: trio.Event | None = None
+        self._replayed: set[str] = set()
+        self._from_scratch = False  # the index was reset in this refresh
+
+    @property
+    def replayed(self) -> set[str]:
+        """The journals and folds in the lake at the last refresh (read here)."""
+        return self._replayed
+
+    async def refresh_if_stale(self) -> None:
+        if trio.current_time() - self._refreshed >= self.ttl:
+            await self.refresh()
+
+    async def refresh(self) -> set[str]:
+        """Read the journals and folds this node has not replayed yet (one
+        LIST, and a GET per new object); concurrent callers share one refresh.
+        Returns the names listed that this node has replayed and could read."""
+        if self._running is not None:
+            await self._running.wait()
+            return self._replayed
+        self._running = trio.Event()
+        started = trio.current_time()
+        try:
+            for _ in range(REPLAY_ROUNDS):
+                listed_at = time.time_ns()
+                listed: dict[str, int] = {}
+                async for page in self.store.iter_list(JOURNAL_DIR, None):
+                    # (a "directory" marker is no journal: an empty journal
+                    # directory of the local lake lists as one, and so does
+                    # a folder made in a cloud console)
+                    listed.update({obj.key: obj.size for obj in page.objects
+                                   if not obj.key.endswith("/")})
+                seen = self.index.seen(listed)
+                try:
+                    vanished = await self._replay(sorted(set(listed) - seen), listed)
+                except _ReplayFromScratch as why:
+                    log.warning("%s: this node replays the pack index from scratch", why)
+                    await trio.to_thread.run_sync(self.index.reset)
+                    self._from_scratch = True
+                    continue
+                self._replayed = self.index.seen(listed, readable_only=True)
+                if not vanished:
+                    self.index.set_replayed_at(listed_at)
+                    break
+                # Folded by another node while we read: its fold holds them.
+                log.debug("journals vanished while replayed; listing again")
+            self._refreshed = started
+            return self._replayed
+        finally:
+            self._from_scratch = False
+            self._running.set()
+            self._running = None
+
+    async def _replay(self, names: list[str], sizes: dict[str, int]) -> bool:
+        """Apply these journals and folds, folds first (the journals they
+        cover then need no GET); True if one vanished before it was read."""
+        folds = [name for name in names if name.endswith(FOLD_SUFFIX)]
+        vanished = await self._apply_batch(folds, sizes)
+        journals = sorted(set(names) - set(folds) - self.index.seen(names))
+        return await self._apply_batch(journals, sizes) or vanished
+
+    def _apply_one(self, name: str, raw: bytes) -> None:
+        """Apply a journal, or a fold batch by batch (the fold is marked read
+        with the last); ValueError if it cannot be read."""
+        if not name.endswith(FOLD_SUFFIX):
+            self.index.apply(decode_journal(raw), name)
+            return
+        header, batches = read_fold(raw)
+        covers = header.covers
+        if len(self.index.seen(covers)) < len(covers):  # else all read here already
+            if (header.dels_after > self.index.replayed_at() and not self._from_scratch
+                    and not self.index.is_empty()):
+                # The fold left out deletions this node may not have read: an
+                # entry it knows could be one of them.
+                raise _ReplayFromScratch(f"{name} leaves out deletions older than "
+                                         "this node's last replay")
+            for records, lines in batches:
+                self.index.apply(records, raws=lines)
+        self.index.apply([], name, covers)
+
+    async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:
+        """Fetch and apply, a few at a time (a new node may find thousands of
+        journals); True if one vanished before it was read."""
+        vanished = False
+        for start in range(0, len(names), 4 * JOURNALS_AT_ONCE):
+            chunk = names[start:start + 4 * JOURNALS_AT_ONCE]
+            contents = await self._fetch(chunk, sizes)
+            vanished |= len(contents) < len(chunk)
+            for name in chunk:  # in name (time) order, though any order gives the same
+                if name not in contents:
+                    continue
+                try:
+                    await trio.to_thread.run_sync(self._apply_one, name, contents.pop(name))
+                except ValueError as exc:
+                    log.error("journal %s is unreadable (%s); its packed files stay hidden",
+                              name, exc)
+                    await trio.to_thread.run_sync(self.index.unreadable, name)
+                    continue
+                self.stats.journals_read += 1
+        log.debug("replayed %d journals", len(names))
+        return vanished
+
+    async def _fetch(self, names: list[str], sizes: dict[str, int]) -> dict[str, bytes]:
+        contents: dict[str, bytes] = {}
+        slots = trio.Semaphore(JOURNALS_AT_ONCE)
+
+        async def fetch(name: str) -> None:
+            async with slots:
+                try:
+                    contents[name] = await self.store.get_range(name, 0, sizes[name])
+                except ObjectNotFound:
+                    pass  # folded or collected meanwhile
+
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(fetch, name)
+        return contents
