@@ -1,6 +1,7 @@
 """The shape of the package: no import cycles between aifs modules (imports
-under ``if TYPE_CHECKING:`` are for type hints only and do not count), and
-every control xattr name comes from the one table in aifs/xattrs.py."""
+under ``if TYPE_CHECKING:`` are for type hints only and do not count), every
+control xattr name comes from the one table in aifs/xattrs.py, no module
+over 600 lines, and a ``core`` facade of at most 300."""
 
 from __future__ import annotations
 
@@ -100,3 +101,15 @@ def test_control_xattr_names_come_from_the_table():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if literal.search(line)]
     assert offenders == []
+
+
+def test_no_module_is_over_600_lines():
+    """One responsibility a module: past 600 lines a module holds several."""
+    sizes = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+             for path in PACKAGE.rglob("*.py")}
+    assert {name: lines for name, lines in sizes.items() if lines > 600} == {}
+
+
+def test_the_facade_holds_no_logic():
+    """``core.py`` hands each call to the part of ``aifs.posix`` that owns it."""
+    assert len((PACKAGE / "core.py").read_text().splitlines()) <= 300
