@@ -8,9 +8,13 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from aifs import __version__, xattrs
 from aifs.errors import AifsError, ConfigError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,10 +209,13 @@ def _mount_root(path: str) -> str:
     return root
 
 
-def _progress_line(pending: dict[str, int]) -> str:
-    return (f"aifs sync: {pending.get('files', 0)} files "
-            f"({pending.get('bytes', 0) / 2**20:.1f} MiB), "
-            f"{pending.get('deletes', 0)} deletes to go")
+def _progress(desc: str, quiet: bool, **options: Any) -> tqdm:
+    """A progress bar on stderr (none if ``quiet``), gone once closed: the
+    command's result line follows it."""
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, file=sys.stderr, disable=quiet, leave=False, dynamic_ncols=True,
+                **options)
 
 
 def _sync(path: str, quiet: bool = False) -> None:
@@ -228,20 +235,24 @@ def _sync(path: str, quiet: bool = False) -> None:
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    shown = ""
     next_show = time.monotonic() + 1.0
-    while worker.is_alive():
-        worker.join(0.2)
-        if quiet or not worker.is_alive() or time.monotonic() < next_show:
-            continue
-        try:
-            line = _progress_line(json.loads(os.getxattr(root, xattrs.PENDING)))
-        except (OSError, ValueError):
-            continue
-        if line != shown:
-            print(line, file=sys.stderr, flush=True)
-            shown = line
-        next_show = time.monotonic() + 1.0
+    # Shown after a second (a quick sync shows nothing): files done of those
+    # pending since the first look (more may come), what is left to send.
+    with _progress("aifs sync", quiet, unit=" files", delay=1.0) as bar:
+        while worker.is_alive():
+            worker.join(0.2)
+            if quiet or not worker.is_alive() or time.monotonic() < next_show:
+                continue
+            try:
+                pending = json.loads(os.getxattr(root, xattrs.PENDING))
+            except (OSError, ValueError):
+                continue
+            left = pending.get("files", 0)
+            bar.total = max(bar.total or 0, bar.n + left)
+            bar.set_postfix_str(f"{pending.get('bytes', 0) / 2**20:.1f} MiB, "
+                                f"{pending.get('deletes', 0)} deletes to go", refresh=False)
+            bar.update(bar.total - left - bar.n)  # shows it (even with nothing done)
+            next_show = time.monotonic() + 1.0
     error = outcome[0] if outcome else None
     if error is not None:
         reason = error.strerror if isinstance(error, OSError) else str(error)
@@ -408,19 +419,17 @@ def _warmup(paths: list[str], jobs: int, quiet: bool) -> int:
 
     started = time.monotonic()
     before = {root: lake_bytes(root) for root in set(roots.values())}
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    with (ThreadPoolExecutor(max(1, jobs)) as pool,
+          _progress("aifs warmup", quiet, unit="B", unit_scale=True) as bar):
         futures = [pool.submit(one, path) for path in paths]
         while not all(f.done() for f in futures):
             time.sleep(0.2)
             if quiet:
                 continue
-            got = sum(lake_bytes(root) - n for root, n in before.items())
-            rate = got / max(time.monotonic() - started, 1e-6)
-            print(f"\raifs warmup: {_size(got)} fetched, {_size(rate)}/s", end="",
-                  file=sys.stderr, flush=True)
+            got = sum(lake_bytes(root) - n for root, n in before.items())  # bytes fetched
+            bar.update(max(0, got - bar.n))
     elapsed = time.monotonic() - started
     if not quiet:
-        print(file=sys.stderr)
         print(f"aifs warmup: {totals['files']} files in {elapsed:.1f}s: "
               f"{_size(totals['fetched'])} fetched from the lake "
               f"({_size(totals['fetched'] / max(elapsed, 1e-6))}/s), "
@@ -455,24 +464,22 @@ def _pack(path: str, quiet: bool) -> int:
     started = time.monotonic()
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    while worker.is_alive():
-        worker.join(0.2)
-        if quiet:
-            continue
-        try:
-            now = json.loads(os.getxattr(root, xattrs.PACK_PROGRESS))
-        except (OSError, ValueError):
-            continue
-        total, done = now.get("files_total", 0), now.get("files_packed", 0)
-        filled = int(30 * done / total) if total else 0
-        print(f"\raifs pack: [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} files, "
-              f"{_size(now.get('bytes_packed', 0))}", end="", file=sys.stderr, flush=True)
+    with _progress("aifs pack", quiet, unit=" files") as bar:
+        while worker.is_alive():
+            worker.join(0.2)
+            if quiet:
+                continue
+            try:
+                now = json.loads(os.getxattr(root, xattrs.PACK_PROGRESS))
+            except (OSError, ValueError):
+                continue
+            bar.total = now.get("files_total", 0)
+            bar.set_postfix_str(_size(now.get("bytes_packed", 0)), refresh=False)
+            bar.update(now.get("files_packed", 0) - bar.n)
     if "error" in outcome:
         raise AifsError(f"{path}: {outcome['error']} (see the mount's log)")
     result = outcome["result"]
     assert isinstance(result, dict)
-    if not quiet:
-        print(file=sys.stderr)
     print(f"aifs pack: {result['files_packed']} files ({_size(result['bytes_packed'])}) "
           f"packed in {time.monotonic() - started:.1f}s; the objects stay as they are")
     return 0

@@ -1,6 +1,7 @@
 """Live figures of a running mount: one snapshot for ``aifs status`` (read
 through the root's ``user.aifs.metrics`` xattr) and, in Prometheus' text
-format, for an optional HTTP endpoint bound to 127.0.0.1.
+format (written by ``prometheus_client``), for an optional HTTP endpoint
+bound to 127.0.0.1.
 
 The figures are counters the layers keep anyway (the fetcher's hits and
 misses, the promoter's uploads, the lake wrapper's requests); this module only
@@ -17,6 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from aifs import __version__
 from aifs.cache.blocks import CLASSES
@@ -41,6 +45,7 @@ class Metrics:
         self._local_policy: dict[int, str] = {}  # ino of a local copy -> its policy
         self._policies_seen = -1
         self._samples: deque[tuple[float, dict[str, int]]] = deque()
+        self.registry = registry_of(self.snapshot)  # what /metrics exposes
 
     # -- throughput ------------------------------------------------------
     def _totals(self) -> dict[str, int]:
@@ -148,7 +153,7 @@ class Metrics:
         }
 
 
-# -- Prometheus text format ---------------------------------------------------
+# -- Prometheus text format (prometheus_client writes it) -----------------------
 # (name, type, help, how to get the value(s) from a snapshot)
 Getter = Callable[[dict[str, Any]], "float | dict[str, float]"]
 _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
@@ -224,28 +229,42 @@ _FAMILIES: list[tuple[str, str, str, str, Getter]] = [
 ]
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class SnapshotCollector(Collector):
+    """A Prometheus collector over a snapshot: each scrape takes one (a
+    :meth:`Metrics.snapshot`) and yields the families above from it."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._snapshot()
+        info = GaugeMetricFamily("aifs_info", "The aifs version and the lake of this mount.",
+                                 labels=["version", "lake"])
+        info.add_metric([snapshot["version"], snapshot["lake_url"]], 1)
+        yield info
+        for name, kind, text, label, get in _FAMILIES:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            value = get(snapshot)
+            if isinstance(value, dict):
+                metric = family(name, text, labels=[label])
+                for key, number in value.items():
+                    metric.add_metric([str(key)], number)
+            else:
+                metric = family(name, text, value=value)
+            yield metric
 
 
-def prometheus_lines(snapshot: dict[str, Any]) -> Iterator[str]:
-    version, lake = _label(snapshot["version"]), _label(snapshot["lake_url"])
-    yield "# HELP aifs_info The aifs version and the lake of this mount."
-    yield "# TYPE aifs_info gauge"
-    yield f'aifs_info{{version="{version}",lake="{lake}"}} 1'
-    for name, kind, text, label, get in _FAMILIES:
-        yield f"# HELP {name} {text}"
-        yield f"# TYPE {name} {kind}"
-        value = get(snapshot)
-        if isinstance(value, dict):
-            for key, number in value.items():
-                yield f'{name}{{{label}="{_label(str(key))}"}} {number}'
-        else:
-            yield f"{name} {value}"
+def registry_of(snapshot: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's global one) that
+    collects from ``snapshot``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return registry
 
 
 def prometheus_text(snapshot: dict[str, Any]) -> str:
-    return "\n".join(prometheus_lines(snapshot)) + "\n"
+    """``snapshot`` in Prometheus' text format (version 0.0.4)."""
+    return generate_latest(registry_of(lambda: snapshot)).decode()
 
 
 # -- the HTTP endpoint --------------------------------------------------------
@@ -272,8 +291,8 @@ async def serve_http(address: str, port: int, metrics: Metrics,
             if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
                 status, kind, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif path == "/metrics":
-                status, kind = "200 OK", "text/plain; version=0.0.4; charset=utf-8"
-                body = prometheus_text(metrics.snapshot()).encode()
+                status, kind = "200 OK", CONTENT_TYPE_PLAIN_0_0_4
+                body = generate_latest(metrics.registry)
             elif path == "/metrics.json":
                 status, kind = "200 OK", "application/json"
                 body = json.dumps(metrics.snapshot(), indent=1).encode()

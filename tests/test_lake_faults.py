@@ -113,7 +113,7 @@ async def test_retries_are_counted_by_cause_in_the_metrics(tmp_path):
     counted = {cause: store.retries[cause] for cause in ("truncated", "throttled")}
     assert all(counted.values()), counted
     for cause, n in counted.items():
-        assert f'aifs_lake_retries_total{{cause="{cause}"}} {n}' in text
+        assert f'aifs_lake_retries_total{{cause="{cause}"}} {float(n)}' in text
 
 
 def _tree(seed: int) -> dict[str, bytes]:

@@ -59,5 +59,5 @@ def test_prometheus_text_is_well_formed():
     for line in samples:
         assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="(?:[^"\\]|\\.)*"(,[a-z_]+="(?:[^"\\]|\\.)*")*\})? '
                             r"[0-9.e+-]+", line), line
-    assert 'aifs_lake_requests_total{op="GetObject"} 4' in samples
+    assert 'aifs_lake_requests_total{op="GetObject"} 4.0' in samples  # prometheus_client's floats
     assert 'lake="s3://b/\\"odd\\""' in text

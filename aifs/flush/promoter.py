@@ -7,92 +7,58 @@ uploads the crash left open are aborted. An object appears under a file's key
 only by a complete PUT or a completed multipart upload, so the lake never
 shows a partial file. A file changed while its upload ran is uploaded again;
 the stale upload is abandoned before completion (multipart) or replaced.
+
+This module schedules promotions and settles what landed; the upload itself
+is :mod:`aifs.flush.uploads`, deletes are :mod:`aifs.flush.deletes`, small
+files go through :mod:`aifs.pack.packer`, and what the promoter asks of the
+filesystem is :class:`aifs.flush.host.PromotionHost`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.errors import LakeError, ObjectNotFound, lake_error_in
+from aifs.errors import LakeError, lake_error_in
+from aifs.flush.deletes import Deletes
+from aifs.flush.host import PromotionHost
+from aifs.flush.stats import PromoteStats
 from aifs.flush.stream import Streams
-from aifs.lake.base import ObjectInfo, ObjectStore
+from aifs.flush.uploads import (
+    MAX_PART,
+    MAX_PARTS,
+    MIN_PART,
+    PARTS_PER_STEP,
+    Uploads,
+    part_size,
+    plan_parts,
+)
+from aifs.lake.base import ObjectStore
 from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import to_metadata
-from aifs.meta.store import DATA, FILE, LINK, MAYBE_IN_LAKE, META, SPECIAL, Inode, MetaStore
+from aifs.meta.store import DATA, FILE, MAYBE_IN_LAKE, META, Inode, MetaStore
 from aifs.pack.index import PackedEntry, deletion, is_packed_at, object_record
 from aifs.pack.packer import Packer
 
+__all__ = ["MAX_PART", "MAX_PARTS", "MIN_PART", "PARTS_PER_STEP", "PromoteStats", "Promoter",
+           "PromotionHost", "part_size", "plan_parts"]
+
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-MIN_PART = 5 * MiB
-MAX_PART = 5 << 30
-MAX_PARTS = 10_000
-PARTS_PER_STEP = 1000  # the part size doubles every this many parts
 WAKE_TICK = 0.02  # seconds: the promotion loop's timer granularity
 
 
-def part_size(number: int, base: int) -> int:
-    """Size of part ``number`` (1-based) of a multipart upload.
-
-    Parts grow (doubling every 1000) so that an object of any size S3 allows
-    (5 TiB) fits in 10,000 parts without knowing its size in advance.
-    """
-    return min(MAX_PART, max(base, MIN_PART) << ((number - 1) // PARTS_PER_STEP))
-
-
-def plan_parts(size: int, base: int) -> list[tuple[int, int, int]]:
-    """(part number, offset, length) covering ``size`` bytes."""
-    parts, offset, number = [], 0, 1
-    while offset < size or number == 1:
-        length = min(part_size(number, base), size - offset)
-        parts.append((number, offset, length))
-        offset += length
-        number += 1
-        if number > MAX_PARTS and offset < size:
-            raise LakeError(f"{size} bytes do not fit in {MAX_PARTS} parts")
-    return parts
-
-
-class Host(Protocol):
-    """What the promoter asks of the filesystem (``core.Filesystem``)."""
-
-    def promotable(self, ino: int, force: bool) -> Inode | None: ...
-    def held(self, ino: int) -> str | None: ...
-    def packable(self, inode: Inode) -> bool: ...
-    def change_count(self, ino: int) -> int: ...
-    def reads_lake(self, ino: int) -> bool: ...
-    def promoted(self, ino: int, inode: Inode) -> None: ...
-    def wait_before_promoting(self, inode: Inode, force: bool) -> float: ...
-    def may_delete(self, key: str) -> bool: ...
-    def older_marker_version(self, inode: Inode) -> tuple[int, bytes] | None: ...
-    def marker_version_published(self, ino: int, seq: int) -> None: ...
-
-
-@dataclass
-class PromoteStats:
-    uploads: int = 0
-    upload_bytes: int = 0
-    metadata_updates: int = 0
-    deletes: int = 0
-    failures: int = 0
-
-
 class Promoter:
-    def __init__(self, host: Host, store: ObjectStore, meta: MetaStore, files: LocalFiles,
-                 config: Config, uid: int, gid: int) -> None:
+    def __init__(self, host: PromotionHost, store: ObjectStore, meta: MetaStore,
+                 files: LocalFiles, config: Config, uid: int, gid: int) -> None:
         self.host = host
         self.store = store
         self.meta = meta
@@ -105,23 +71,20 @@ class Promoter:
         self._active: set[int] = set()
         self._deciding: set[int] = set()  # active, not yet handed to the packer or uploading
         self._failures: dict[int, tuple[int, str, float]] = {}  # ino -> (count, why, when)
-        self._busy_keys: set[str] = set()
-        self._tombs_due: float | None = 0.0
-        self._deleting = False
-        self._delete_failures: tuple[int, str, float] = (0, "", 0.0)
         self._wake = trio.Event()
         self._sleeps_until = -math.inf  # when the loop wakes by itself
         self._progress = trio.Event()
         self._slots = trio.Semaphore(max(1, config.promote_workers))
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
-        self._sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
-        self._streamed: set[int] = set()  # uploads just completed from a stream
         self.sync_error = ""  # why the last sync that gave up did
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
                                config.stream_parts_in_flight)
         self.packer = Packer(self, store, meta, files, config, uid, gid)
+        self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
+                               self.streams, self.packer)
+        self.deletes = Deletes(host, store, meta, self.stats, self._poke, self._changed)
 
     # -- schedule -----------------------------------------------------------
     def schedule(self, ino: int, delay: float | None = None, force: bool = False,
@@ -142,8 +105,9 @@ class Promoter:
             self._wake.set()
 
     def tombstones_changed(self, delay: float = 0.0) -> None:
-        due = trio.current_time() + delay
-        self._tombs_due = due if self._tombs_due is None else min(self._tombs_due, due)
+        self.deletes.changed(delay)
+
+    def _poke(self) -> None:
         self._wake.set()
 
     def _changed(self) -> None:
@@ -152,9 +116,9 @@ class Promoter:
 
     async def run(self) -> None:
         """The promotion loop (runs until cancelled)."""
-        await self._abort_leftover_uploads()
+        await self.uploads.abort_leftovers()
         try:
-            await self.abort_stale_uploads()
+            await self.uploads.abort_stale()
         except LakeError as exc:
             log.warning("cannot look for stale multipart uploads: %s", exc)
         for inode in self.meta.pending_inodes():
@@ -185,14 +149,9 @@ class Promoter:
                     self._deciding.add(ino)
                     self._slots.acquire_nowait()
                     nursery.start_soon(self._promote_task, ino, force)
-                if (self._tombs_due is not None and self._tombs_due <= now
-                        and not self._deleting):
-                    self._tombs_due = None
-                    self._deleting = True
-                    nursery.start_soon(self._delete_task)
+                self.deletes.start_if_due(now, nursery)
                 wake_at = self._heap[0][0] if self._heap and self._slots.value else math.inf
-                if self._tombs_due is not None and not self._deleting:
-                    wake_at = min(wake_at, self._tombs_due)
+                wake_at = min(wake_at, self.deletes.wake_at())
                 # Files closed a few ms apart fall due together: one wake-up for all.
                 if wake_at < math.inf:
                     wake_at = math.ceil(wake_at / WAKE_TICK) * WAKE_TICK
@@ -240,7 +199,7 @@ class Promoter:
         finally:
             self._active.discard(ino)
             self._deciding.discard(ino)
-            self._sent.pop(ino, None)
+            self.uploads.sent.pop(ino, None)
             self._slots.release()
             if landed:
                 self._unpark()
@@ -270,14 +229,14 @@ class Promoter:
 
     def progress(self, ino: int) -> int:
         """Bytes of the upload of ``ino`` under way that the lake has."""
-        return self._sent.get(ino, 0) + self.streams.sent(ino)
+        return self.uploads.sent.get(ino, 0) + self.streams.sent(ino)
 
     async def _promote(self, ino: int, force: bool) -> bool:
         """Promote ``ino`` if it may go now; True if something landed."""
         inode = self.host.promotable(ino, force)
         if inode is None or not inode.pending:
             return False
-        if inode.key in self._busy_keys:
+        if inode.key in self.deletes.busy_keys:
             self.schedule(ino, 0.1)
             return False
         wait = self.host.wait_before_promoting(inode, force)
@@ -298,21 +257,21 @@ class Promoter:
             return False
         if inode.pending & DATA and self.host.packable(inode):
             if inode.etag and inode.etag != MAYBE_IN_LAKE:
-                await self._warn_if_replaced(inode)
+                await self.uploads.warn_if_replaced(inode)
             self._deciding.discard(ino)
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
         self._deciding.discard(ino)
         if inode.pending & DATA:
-            info = await self._upload(inode, version)
+            info = await self.uploads.upload(inode, version)
         else:
-            info = await self._write_metadata(inode)
+            info = await self.uploads.write_metadata(inode)
         if info is None:
             self.schedule(ino)  # changed before anything landed: promote it later
             return False
         etags = {key: info.etag}
         if inode.links:
-            etags.update(await self._copy_to_links(inode))
+            etags.update(await self.uploads.copy_to_links(inode))
         current = self.meta.get(ino)
         if current is None or current.orphan or current.key != key:
             # Renamed, deleted or replaced while it uploaded: what landed under
@@ -331,12 +290,12 @@ class Promoter:
             self.schedule(ino)
             return False
         done = inode.pending
-        streamed = ino in self._streamed
+        streamed = ino in self.uploads.streamed
         if streamed and inode.pending & META:
             # A streamed object got the attributes of when its upload began
             # (and the lake's mtime): a chmod or utime since is written next.
             done &= ~META
-        self._streamed.discard(ino)
+        self.uploads.streamed.discard(ino)
         fields: dict[str, object] = {"etag": info.etag}
         if not info.etag.startswith("pack:"):  # an object of its own now
             fields.update(pack="", pack_offset=0, checksum="")
@@ -414,7 +373,7 @@ class Promoter:
     async def _publish_version(self, inode: Inode, seq: int, content: bytes) -> bool:
         """Put an older version of a waiting marker whose checkpoint is complete
         in the lake (so ``latest`` advances while saves outpace the lake)."""
-        info = await self._put(inode.key, content, to_metadata(inode, self.uid, self.gid))
+        info = await self.uploads.put(inode.key, content, to_metadata(inode, self.uid, self.gid))
         current = self.meta.get(inode.ino)
         if current is None or current.orphan or current.key != inode.key:
             self._landed_stale(inode.key)
@@ -424,229 +383,9 @@ class Promoter:
         log.debug("%s: published an earlier version whose checkpoint is complete", inode.key)
         return True
 
-    async def _upload(self, inode: Inode, version: int) -> ObjectInfo | None:
-        metadata = to_metadata(inode, self.uid, self.gid)
-        if inode.etag and inode.etag != MAYBE_IN_LAKE:
-            await self._warn_if_replaced(inode)
-        if inode.kind == LINK:
-            data = inode.target.encode("utf-8", "surrogateescape")
-            return await self._put(inode.key, data, metadata)
-        if inode.kind in SPECIAL:  # s3fs's form: no content, the type in the mode
-            return await self._put(inode.key, b"", metadata)
-        path = self.files.path(inode.ino)
-        size = await trio.to_thread.run_sync(os.path.getsize, path)
-        if self.streams.active(inode.ino):
-            info = await self.streams.finish(inode.ino, inode.key, size, version)
-            if info is not None:
-                self._streamed.add(inode.ino)
-                self.stats.uploads += 1
-                self.stats.upload_bytes += size
-                return info
-        if size < self.config.multipart_threshold:
-            data = await trio.to_thread.run_sync(_read_all, path)
-            if self.host.change_count(inode.ino) != version:
-                return None
-            return await self._put(inode.key, data, metadata)
-        return await self._multipart(inode, path, size, metadata, version)
-
-    async def _put(self, key: str, data: bytes, metadata: dict[str, str]) -> ObjectInfo:
-        info = await self.store.put(key, data, metadata)
-        self.stats.uploads += 1
-        self.stats.upload_bytes += len(data)
-        return info
-
-    async def _multipart(self, inode: Inode, path: os.PathLike[str] | str, size: int,
-                         metadata: dict[str, str], version: int) -> ObjectInfo | None:
-        key = inode.key
-        started = time.time()
-        self.meta.record_upload(inode.ino, key, "", started)  # a crash may follow at once
-        upload_id = await self.store.create_multipart(key, metadata)
-        self.meta.record_upload(inode.ino, key, upload_id, started)
-        etags: list[tuple[int, str]] = []
-        in_flight = trio.Semaphore(max(1, self.config.parts_in_flight))
-        completed = False
-        try:
-            with open(path, "rb") as fp:
-                async with trio.open_nursery() as nursery:
-                    for number, offset, length in plan_parts(size, self.config.part_size):
-                        await in_flight.acquire()
-                        if self.host.change_count(inode.ino) != version:
-                            break  # changed: stop reading, abandon this upload
-                        nursery.start_soon(self._send_part, inode.ino, key, upload_id,
-                                           fp.fileno(),
-                                           number, offset, length, etags, in_flight)
-            if self.host.change_count(inode.ino) != version:
-                return None
-            info = await self.store.complete_multipart(key, upload_id, etags)
-            completed = True
-            self.stats.uploads += 1
-            self.stats.upload_bytes += size
-            return info
-        finally:
-            if not completed:
-                with trio.CancelScope(shield=True):
-                    try:
-                        await self.store.abort_multipart(key, upload_id)
-                    except LakeError as exc:
-                        log.warning("abort of upload %s of %s failed: %s", upload_id, key, exc)
-                        return None  # kept in the record: aborted at the next start
-            self.meta.record_upload(inode.ino, key, None)
-
-    async def _send_part(self, ino: int, key: str, upload_id: str, fd: int, number: int,
-                         offset: int,
-                         length: int, etags: list[tuple[int, str]],
-                         in_flight: trio.Semaphore) -> None:
-        try:
-            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
-            if len(data) != length:
-                raise LakeError(f"{key}: local copy shrank during upload")
-            etags.append((number, await self.store.upload_part(key, upload_id, number, data)))
-            self._sent[ino] = self._sent.get(ino, 0) + length
-        finally:
-            in_flight.release()
-
-    async def _copy_to_links(self, inode: Inode) -> dict[str, str]:
-        """Each further name of a hard-linked file is an object of its own:
-        a server-side copy of the primary, with the same metadata; their
-        ETags by key."""
-        metadata = to_metadata(inode, self.uid, self.gid)
-        return {key: await self.store.copy(inode.key, key, metadata)
-                for key in inode.keys()[1:]}
-
-    async def _write_metadata(self, inode: Inode) -> ObjectInfo | None:
-        metadata = to_metadata(inode, self.uid, self.gid)
-        self.stats.metadata_updates += 1
-        if inode.packed:
-            entry = self.packer.index.entry(inode.key)
-            if entry is not None and not entry.origin:  # a new record, the same bytes
-                changed = dataclasses.replace(
-                    entry, stamp=time.time_ns(), mode=int(metadata["mode"]),
-                    uid=int(metadata["uid"]),
-                    gid=int(metadata["gid"]), mtime_ns=inode.mtime_ns,
-                    xattrs=inode.xattrs or None)
-                self.packer.queue_records([changed.record()])
-                return ObjectInfo(inode.key, inode.size, changed.etag, 0.0)
-            # A packed copy (aifs pack) of a plain object: the object takes the change.
-        if inode.is_dir:
-            if not inode.key:
-                return ObjectInfo("", 0, "", 0.0)  # the root has no marker
-            return await self.store.put(inode.key, b"", metadata)
-        try:
-            etag = await self.store.copy(inode.key, inode.key, metadata)
-            return ObjectInfo(inode.key, inode.size, etag, 0.0, metadata)
-        except ObjectNotFound:
-            if self.files.has(inode.ino):  # gone from the lake: upload our copy
-                self.meta.update(inode.ino, pending=inode.pending | DATA)
-                return None
-            raise
-
-    async def _warn_if_replaced(self, inode: Inode) -> None:
-        expected: str | None = inode.etag
-        if inode.packed:  # no object of its own, unless aifs pack copied one
-            entry = self.packer.index.entry(inode.key)
-            expected = entry.origin if entry is not None and entry.origin else None
-        try:
-            current = await self.store.head(inode.key)
-        except ObjectNotFound:
-            return
-        if current.etag != expected:
-            log.warning("%s changed in the lake since this node read it; this node's "
-                        "version replaces it", inode.key)
-
     async def abort_stale_uploads(self) -> int:
-        """Abort the unfinished multipart uploads in the lake that this cache
-        does not own and that started ``stale_upload_age`` seconds ago or more
-        (an upload whose creation reply was lost, one a lost node left);
-        return how many. They would cost storage for ever on a real cloud."""
-        ours = {upload_id for _, _, upload_id, _ in self.meta.uploads_in_progress()}
-        now = time.time()
-        aborted = 0
-        for key, upload_id, started in await self.store.list_uploads(""):
-            if upload_id in ours or now - started < self.config.stale_upload_age:
-                continue
-            await self.store.abort_multipart(key, upload_id)
-            log.info("aborted a stale multipart upload of %s (started %.0f s ago)",
-                     key, now - started)
-            aborted += 1
-        return aborted
-
-    async def _abort_leftover_uploads(self) -> None:
-        """Abort the multipart uploads an earlier run left unfinished, those it
-        did not live to record too.
-
-        An upload whose id was not recorded is found by its key alone: the lake's
-        initiation times cannot be trusted to tell it apart (moto reports one fixed
-        date). Another writer's upload of the same key may be aborted with it; that
-        writer's upload fails and is retried, so no data is lost.
-        """
-        for ino, key, upload_id, _started in self.meta.uploads_in_progress():
-            try:
-                if upload_id:
-                    ids = [upload_id]
-                else:
-                    ids = [found for found, _ in await self.store.list_multipart(key)]
-                for one in ids:
-                    await self.store.abort_multipart(key, one)
-                    log.info("aborted multipart upload of %s left by an earlier run", key)
-            except LakeError as exc:
-                log.warning("cannot abort an upload of %s: %s", key, exc)
-                continue
-            self.meta.record_upload(ino, key, None)
-
-    # -- deletes ----------------------------------------------------------------
-    async def _delete_task(self) -> None:
-        try:
-            while await self._delete_round():
-                pass
-        except LakeError as exc:
-            log.warning("deleting from the lake failed (%s); retrying in 5s", exc)
-            self.stats.failures += 1
-            self._delete_failures = (self._delete_failures[0] + 1, str(exc),
-                                     trio.current_time())
-            self.tombstones_changed(5.0)
-        finally:
-            self._deleting = False
-            self._wake.set()
-            self._changed()
-
-    async def _delete_round(self) -> bool:
-        """Delete what tombstones ask for; True if another round may delete more."""
-        tombs = self.meta.tombstones()
-        batch: list[str] = []
-        deferred = False
-        for key in sorted(tombs, key=lambda k: (-k.count("/"), k)):
-            owner = self.meta.owner_of(key)
-            owner_inode = self.meta.get(owner) if owner is not None else None
-            if owner is not None and not (owner_inode is not None and owner_inode.packed
-                                          and not owner_inode.pending & DATA):
-                self.meta.drop_tombstone(key)  # a live inode's upload replaces it
-                continue
-            if tombs[key] and self.host.reads_lake(tombs[key]):
-                deferred = True  # still read through an open handle
-                continue
-            if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
-                deferred = True  # the marker goes last: the prefix stays hidden
-                continue
-            if not self.host.may_delete(key):
-                deferred = True  # an "unfinished" marker outlives what it guards
-                continue
-            batch.append(key)
-            if len(batch) >= 1000:
-                break
-        if batch:
-            marks = self.meta.tombstone_marks(batch)
-            self._busy_keys.update(batch)
-            try:
-                await self.store.delete_many(batch)
-            finally:
-                self._busy_keys.difference_update(batch)
-            self.stats.deletes += len(batch)
-            self.meta.drop_tombstones(marks)  # not those tombstoned again meanwhile
-            self._changed()
-            return True
-        if deferred:
-            self.tombstones_changed(1.0)
-        return False
+        """Abort the lake's stale multipart uploads (see :meth:`Uploads.abort_stale`)."""
+        return await self.uploads.abort_stale()
 
     # -- waiting for the lake ----------------------------------------------------
     def hurry(self) -> bool:
@@ -680,12 +419,6 @@ class Promoter:
                 "oldest_age": round(max(0.0, time.time() - oldest), 3) if oldest else 0.0,
                 "error": self.sync_error}
 
-    def _blocked_tombstones(self, tombs: dict[str, int]) -> set[str]:
-        """Deletes that wait for a handle to close (and markers above them)."""
-        blocked = {key for key, ino in tombs.items() if ino and self.host.reads_lake(ino)}
-        return blocked | {key for key in tombs if key.endswith("/")
-                          and any(b.startswith(key) for b in blocked)}
-
     async def sync(self, selects: Callable[[Inode], bool], key_prefix: str | None) -> None:
         """Return once every pending change selected (and every tombstone under
         ``key_prefix``) is in the lake; raise LakeError if one keeps failing.
@@ -694,7 +427,7 @@ class Promoter:
         they happen when the last handle closes.
         """
         started = trio.current_time()
-        self._delete_failures = (0, "", 0.0)
+        self.deletes.failures = (0, "", 0.0)
         kicked = False
         # What is pending now (changes made later are not waited for).
         waiting = {i.ino for i in self.meta.pending_inodes() if selects(i)}
@@ -703,7 +436,7 @@ class Promoter:
             tombs: dict[str, int] = {}
             if key_prefix is not None:
                 tombs = self.meta.tombstones_under(key_prefix)
-                for key in self._blocked_tombstones(self.meta.tombstones()):
+                for key in self.deletes.blocked(self.meta.tombstones()):
                     tombs.pop(key, None)
             packing = self.packer.waiting()
             # A file deleted (unlinked, or replaced by a rename) while its upload
@@ -735,7 +468,7 @@ class Promoter:
                     self.schedule(ino, 0.0, force=True)
             deletes_stuck = False
             if tombs:
-                count, why, when = self._delete_failures
+                count, why, when = self.deletes.failures
                 if count >= 2 and when >= started:
                     stuck.append(f"deleting from the lake: {why}")
                     deletes_stuck = True
@@ -751,8 +484,3 @@ class Promoter:
             with trio.move_on_after(1.0):
                 await progress.wait()
             await trio.sleep(0.05)  # let more complete before scanning again
-
-
-def _read_all(path: os.PathLike[str] | str) -> bytes:
-    with open(path, "rb") as fp:
-        return fp.read()
