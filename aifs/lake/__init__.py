@@ -1,4 +1,14 @@
-"""Lake access: :func:`open_store` turns a lake URL into an ObjectStore."""
+"""Lake access: :func:`open_store` turns a lake URL into an ObjectStore.
+
+:mod:`~aifs.lake.base` is the one interface (head, ranged get, put,
+multipart, list, delete many, copy); :mod:`~aifs.lake.s3` (boto3, with
+:mod:`~aifs.lake.s3http` for HEAD and GET) and :mod:`~aifs.lake.local` (a
+directory, the embedded default) implement it; :mod:`~aifs.lake.retry` wraps
+any store with the one backoff, :mod:`~aifs.lake.counting` counts requests,
+:mod:`~aifs.lake.faulty` fails on purpose (tests).
+
+May import ``config``, ``errors`` and ``xattrs`` only.
+"""
 
 from __future__ import annotations
 
