@@ -231,6 +231,11 @@ class S3Store(ObjectStore):
 
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
+        if self.http is not None:
+            http = self.http
+            return await self._call(f"LIST {prefix}", lambda: http.list_page(
+                self._k(prefix), len(self.prefix), delimiter, token, max_keys,
+                f"LIST {prefix}"))
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix),
                                 "MaxKeys": max_keys}
         if delimiter:
