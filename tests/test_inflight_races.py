@@ -318,3 +318,35 @@ async def test_an_upload_landing_during_a_directory_rename_leaves_no_object(tmp_
     await _sync(fs)
     assert _lake_files(tmp_path) == {"e/a": b"2" * MiB + b"1" * (5 * MiB),
                                      "e/b": b"B" * (2 * MiB)}
+
+
+async def test_a_pack_landing_after_the_files_newer_object_is_stale(fs, tmp_path):
+    """A file's small version is in a pack on its way; the file grows past the
+    pack threshold and its object of its own lands (and settles) first. The
+    pack's record of the small version is stale when it lands: it must not
+    become the file's lake copy (the object deleted), and it must be deleted in
+    the journals, or the key keeps it after the file moves away (fsx seed 15:
+    after a directory rename, c/f/c/e stayed in the lake with the bytes of the
+    file's earlier, packed version)."""
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
+    await _sync(fs)
+    fs.gate.closed = True  # pack PUTs wait
+    fh, inode = await fs.create(d, b"a", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, b"small" * 100)
+    fs.release(fh)
+    with trio.fail_after(30):
+        await fs.gate.entered.wait()  # the small version is in a pack on its way
+    fh, _ = await fs.open(inode.ino, os.O_WRONLY, 0)
+    await fs.write(fh, 0, b"x" * (2 * MiB))  # past the pack threshold: an object next
+    fs.release(fh)
+    with trio.fail_after(30):  # ... which lands and settles before the pack
+        while fs.meta.get(inode.ino).pending:
+            await trio.sleep(0.01)
+    journals = fs.gate.journals
+    fs.gate.open()
+    await _journal_landed(fs, journals + 1)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"d/a": b"x" * (2 * MiB)}
+    await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"e/a": b"x" * (2 * MiB)}

@@ -337,6 +337,15 @@ class Promoter:
             if current is not None and not current.orphan:
                 self.schedule(ino, 0.0)
             return
+        if self.host.change_count(ino) != version and not current.pending & DATA:
+            # Changed since, and the newer version already landed as an object
+            # of its own (its upload settled while this pack was on the way):
+            # the record names stale bytes. The object stays the file's copy,
+            # and the record is deleted, stamped just after it (the object's
+            # settling found no packed entry to delete: it had not landed yet;
+            # a later "obj" record hides it here, but not from the journals).
+            self.packer.queue_records([deletion(key, entry.stamp + 1)])
+            return
         fields = {"etag": entry.etag, "pack": entry.pack, "pack_offset": entry.offset,
                   "checksum": entry.xxh3}
         if current.etag and current.etag != entry.etag:
