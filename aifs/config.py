@@ -117,11 +117,12 @@ class Config:
                                  "GETs at once: for a lake far away (tens of ms per GET). "
                                  "Where the node's cores are the limit it slows reads "
                                  "(docs/benchmarks.md).", "bool")
-    list_ahead: int = _option(0, "Subdirectories of a directory being read (opendir) "
-                              "that are listed in the background, 4 at a time, so a walk "
-                              "finds them listed; 0: none. For a lake far away (tens of ms "
-                              "per LIST); where the node's cores are the limit it does not "
-                              "pay (docs/benchmarks.md).", "int")
+    list_ahead: int = _option(0, "Subdirectories of a directory being read that are listed "
+                              "in the background, 4 at a time, so a walk (`find`, `du`, a "
+                              "DataLoader indexing its dataset) finds them listed (e.g. 256); "
+                              "0: none. For a lake far away (tens of ms per LIST); where the "
+                              "node's cores are the limit it does not pay "
+                              "(docs/benchmarks.md).", "int")
     object_attrs: bool = _option(False, "Read the POSIX attributes (mode, owner, mtime, "
                                  "symlinks) of objects other tools wrote (s3fs's metadata) "
                                  "with one HEAD per object on its first lookup. Off, they "
