@@ -324,8 +324,14 @@ def test_sigkill_during_pack_promotion_loses_no_closed_file(lake, mounter, aifs_
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(mount.path), str(count),
                                str(seed)], stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: any(k.startswith(JOURNALS) for k in lake_objects(lake)), 120,
-                 "the first journal in the lake", interval=0.01)
+        # A journal of a pack (not only one of the directory's record) with
+        # files the writer already saw closed.
+        def published() -> bool:
+            keys = lake_objects(lake)
+            return (any(k.startswith(JOURNALS) for k in keys)
+                    and any(k.startswith(PACKS) for k in keys)
+                    and "closed " in (tmp_path / "writer.out").read_text())
+        wait_for(published, 120, "the first pack and journal in the lake", interval=0.01)
         mount.proc.kill()
         mount.kill()
     finally:
