@@ -112,6 +112,14 @@ class Config:
     direct_writes: bool = _option(True, "Pass writes of write-only handles to the daemon "
                                   "past the kernel's page cache (FUSE direct I/O): faster, "
                                   "and written data is cached once, not twice.", "bool")
+    fuse_binding: str = _option("pyfuse3", "How aifs speaks FUSE: 'kernel' (its own session "
+                                "on /dev/fuse: 1 MiB requests, readdirplus, passthrough), "
+                                "'pyfuse3' (libfuse 3), or 'auto' (kernel where it mounts, "
+                                "else pyfuse3).")
+    passthrough: bool = _option(True, "With the kernel binding: reads and writes of files "
+                                "whose whole content is on the local disk go from the kernel "
+                                "straight to it (FUSE passthrough; needs root on the host "
+                                "and Linux 6.9+; else served by the daemon).", "bool")
     dir_prefetch: bool = _option(False, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch), many "
                                  "GETs at once: for a lake far away (tens of ms per GET). "
@@ -225,6 +233,9 @@ class Config:
         if self.promote_delay < 0 or self.promote_workers < 1 or self.parts_in_flight < 1:
             raise ConfigError("promote_delay must not be negative; promote_workers and "
                               "parts_in_flight must be at least 1")
+        if self.fuse_binding not in ("auto", "kernel", "pyfuse3"):
+            raise ConfigError("fuse_binding must be 'auto', 'kernel' or 'pyfuse3', not "
+                              f"{self.fuse_binding!r}")
         if self.fsync not in ("local", "lake"):
             raise ConfigError(f"fsync must be 'local' or 'lake', not {self.fsync!r}")
         choice = str(self.stream_large_files).strip().lower()

@@ -31,6 +31,7 @@ from aifs.meta.store import Inode, MetaStore
 from aifs.metrics import Metrics
 from aifs.pack.compaction import Compactor, Upkeep
 from aifs.posix.control import Control
+from aifs.posix.direct import Direct
 from aifs.posix.files import Files
 from aifs.posix.hosting import Hosting
 from aifs.posix.inodes import Attributes, Inodes
@@ -88,6 +89,7 @@ class Filesystem:
         self.listings = Listings(inodes, config, store, meta, self.packer, self.object_attrs)
         self.writes = Writes(inodes, config, meta, cache, self.fetcher, self.reads,
                              self.promoter)
+        self.direct = Direct(inodes, config, self.writes)
         self.open_files = Files(inodes, config, meta, self.reads, self.writes, self.promoter,
                                 self.checkpoints, self.dir_prefetch)
         moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints)
@@ -240,6 +242,22 @@ class Filesystem:
 
     def release(self, fh: int) -> None:
         self.open_files.release(fh)
+
+    # -- direct handles, past the daemon (posix.direct) --------------------------------
+    async def direct_backing(self, fh: int, inode_is_direct: bool) -> int | None:
+        return await self.direct.backing(fh, inode_is_direct)
+
+    def absorb(self, ino: int) -> None:
+        self.direct.absorb(ino)
+
+    def absorbed(self, inode: Inode) -> Inode:
+        return self.direct.absorbed(inode)
+
+    def rebase(self, ino: int) -> None:
+        self.direct.rebase(ino)
+
+    def direct_released(self, fh: int) -> None:
+        self.direct.released(fh)
 
     # -- promotion (posix.hosting) --------------------------------------------------------
     async def sync(self, ino: int) -> None:

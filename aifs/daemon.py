@@ -200,8 +200,7 @@ class CacheLock:
 
 
 def mount_options(config: Config) -> set[str]:
-    import pyfuse3
-    options = set(pyfuse3.default_options)
+    options = {"default_permissions"}  # the kernel checks permissions (pyfuse3's default)
     fsname = config.resolved_lake().replace(",", "_")
     options |= {f"fsname={fsname}", "subtype=aifs", "noatime"}
     if config.allow_other:
@@ -250,10 +249,8 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
 
 async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
                  report: Callable[[str], None], lock: CacheLock) -> int:
-    import pyfuse3
-
     from aifs.core import Filesystem
-    from aifs.fuse.pyfuse3_adapter import Operations
+    from aifs.fuse.binding import mount_binding
     from aifs.meta.store import MetaStore
     from aifs.metrics import serve_http
     await store.check()
@@ -262,13 +259,10 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     local = await trio.to_thread.run_sync(LocalFiles, cache_dir)
     fs = Filesystem(config, store, meta, cache, local)
     fs.recover()
-    ops = Operations(fs)
     mountpoint = os.path.abspath(config.mountpoint)
-    try:
-        pyfuse3.init(ops, mountpoint, mount_options(config))
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot mount on {mountpoint}: {exc}") from None
-    log.info("mounted %s on %s (cache %s)", store.description, mountpoint, cache_dir)
+    binding = mount_binding(config, fs, mountpoint, mount_options(config))
+    log.info("mounted %s on %s (cache %s, %s binding)", store.description, mountpoint,
+             cache_dir, binding.name)
     mounted = True
 
     def unmount() -> None:
@@ -276,18 +270,18 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         if mounted:
             mounted = False
             sd_notify("STOPPING=1")
-            pyfuse3.close(unmount=True)
+            binding.unmount()
             log.info("unmounted %s", mountpoint)
 
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
-            nursery.start_soon(_on_signals)
+            nursery.start_soon(_on_signals, binding.terminate)
             if config.metrics_port:
                 await nursery.start(serve_http, config.metrics_address, config.metrics_port,
                                     fs.metrics)
             nursery.start_soon(_announce_ready, mountpoint, report, config)
-            await pyfuse3.main()
+            await binding.serve()
             unmount()
             # The mount is gone; the promoter still runs: finish what is pending.
             await fs.drain(config.unmount_timeout, _report_drain)
@@ -357,10 +351,9 @@ async def _announce_ready(mountpoint: str, report: Callable[[str], None],
     report("OK")
 
 
-async def _on_signals() -> None:
-    import pyfuse3
+async def _on_signals(terminate: Callable[[], None]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("signal %s: unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
+            terminate()
             return

@@ -12,11 +12,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import lmdb
 import pyfuse3
 
 from aifs.core import Filesystem, SetAttributes
-from aifs.errors import FsError, lake_error_in
+from aifs.errors import FsError
+from aifs.fuse.errors import errno_for
 from aifs.meta.store import Inode
 
 log = logging.getLogger(__name__)
@@ -32,20 +32,8 @@ def _replies(fn: F) -> F:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except FsError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except (lmdb.DiskError, lmdb.MapFullError) as exc:
-            # the metadata could not grow: the cache disk is full (its reserve
-            # spent); the caller is told so and nothing was changed
-            log.warning("%s: metadata not written, cache disk full (%s)", fn.__name__, exc)
-            raise pyfuse3.FUSEError(errno.ENOSPC) from None
         except Exception as exc:
-            lake = lake_error_in(exc)
-            if lake is not None:
-                log.warning("%s: %s", fn.__name__, lake)
-                raise pyfuse3.FUSEError(lake.errno) from None
-            log.exception("unexpected error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise pyfuse3.FUSEError(errno_for(exc, fn.__name__)) from None
     return handler  # type: ignore[return-value]
 
 

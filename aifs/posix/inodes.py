@@ -70,6 +70,7 @@ class Counters:
     local_reads: int = 0  # reads answered from a whole local copy
     lookup_requests: int = 0
     disk_full: int = 0  # times the cache disk was found full
+    direct_opens: int = 0  # handles whose reads and writes went past the daemon
 
 
 def name_of(name: bytes) -> str:

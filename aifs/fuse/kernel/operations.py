@@ -1,0 +1,325 @@
+"""Requests of the FUSE protocol answered by :class:`aifs.core.Filesystem`.
+
+The twin of :mod:`aifs.fuse.pyfuse3_adapter`: it decodes a request's body,
+calls the facade, encodes the reply; no semantics of its own. What only this
+binding can do lives here too: open replies that name a backing file
+(passthrough, :mod:`aifs.fuse.kernel.passthrough`) and the flags the kernel
+sends instead of extra requests (kill set-user-ID, O_TRUNC).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aifs.core import Filesystem, SetAttributes
+from aifs.errors import FsError
+from aifs.fuse.kernel import protocol as p
+from aifs.fuse.kernel.passthrough import Passthrough
+from aifs.meta.store import Inode
+
+log = logging.getLogger(__name__)
+
+Reply = bytes | memoryview | list[bytes | memoryview] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    opcode: int
+    unique: int
+    nodeid: int
+    uid: int
+    gid: int
+    pid: int
+
+
+Handler = Callable[[Request, memoryview], Awaitable[Reply]]
+
+
+class Operations:
+    """One method per opcode; each returns the reply's body (an errno leaves as
+    :class:`~aifs.errors.FsError`)."""
+
+    def __init__(self, fs: Filesystem, passthrough: Passthrough) -> None:
+        self.fs = fs
+        self.passthrough = passthrough
+        self.ttl = p.split_time(fs.config.metadata_ttl)
+        self.blksize = min(fs.block_size, 1 << 20)
+        self.handlers: dict[int, Handler] = {
+            p.LOOKUP: self.lookup, p.GETATTR: self.getattr, p.SETATTR: self.setattr,
+            p.READLINK: self.readlink, p.SYMLINK: self.symlink, p.MKNOD: self.mknod,
+            p.MKDIR: self.mkdir, p.UNLINK: self.unlink, p.RMDIR: self.rmdir,
+            p.RENAME: self.rename, p.RENAME2: self.rename2, p.LINK: self.link,
+            p.OPEN: self.open, p.CREATE: self.create, p.READ: self.read, p.WRITE: self.write,
+            p.FLUSH: self.flush, p.RELEASE: self.release, p.FSYNC: self.fsync,
+            p.FSYNCDIR: self.fsyncdir, p.OPENDIR: self.opendir, p.READDIR: self.readdir,
+            p.READDIRPLUS: self.readdirplus, p.RELEASEDIR: self.releasedir,
+            p.STATFS: self.statfs, p.GETXATTR: self.getxattr, p.LISTXATTR: self.listxattr,
+            p.SETXATTR: self.setxattr, p.REMOVEXATTR: self.removexattr,
+            p.IOCTL: self.ioctl,
+        }
+
+    # -- encoding -------------------------------------------------------------------
+    def attr(self, inode: Inode) -> bytes:
+        a = self.fs.attributes(self.fs.absorbed(inode))
+        return p.ATTR.pack(a.ino, a.size, (a.size + 511) // 512,
+                           a.atime_ns // 10**9, a.mtime_ns // 10**9, a.ctime_ns // 10**9,
+                           a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+                           a.mode, a.nlink, a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev,
+                           self.blksize, 0)
+
+    def entry(self, inode: Inode) -> bytes:
+        seconds, nanos = self.ttl
+        if self.fs.object_attrs.unknown(inode):
+            # Ask again: a lookup reads the object's own attributes (and type) first.
+            seconds = nanos = 0
+        return p.ENTRY_HEAD.pack(inode.ino, 0, seconds, seconds, nanos, nanos) + \
+            self.attr(inode)
+
+    def attr_out(self, inode: Inode) -> bytes:
+        seconds, nanos = self.ttl
+        if self.fs.object_attrs.unknown(inode):
+            seconds = nanos = 0
+        return p.ATTR_OUT_HEAD.pack(seconds, nanos, 0) + self.attr(inode)
+
+    # -- names and attributes -------------------------------------------------------
+    async def lookup(self, req: Request, body: memoryview) -> Reply:
+        name, _ = p.cstring(body)
+        inode = await self.fs.lookup(req.nodeid, name)
+        if inode is None:  # cache the absence for the TTL
+            seconds, nanos = self.ttl
+            return p.ENTRY_HEAD.pack(0, 0, seconds, 0, nanos, 0) + bytes(p.ATTR.size)
+        return self.entry(inode)
+
+    async def getattr(self, req: Request, body: memoryview) -> Reply:
+        self.fs.absorb(req.nodeid)
+        return self.attr_out(await self.fs.getattr(req.nodeid))
+
+    async def setattr(self, req: Request, body: memoryview) -> Reply:
+        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid,
+         _) = p.SETATTR_IN.unpack_from(body)
+        now = time.time_ns()
+        self.fs.absorb(req.nodeid)
+        if valid & p.FATTR_KILL_SUIDGID and not valid & p.FATTR_MODE:
+            current = self.fs.attributes(await self.fs.getattr(req.nodeid)).mode
+            if current & (stat.S_ISUID | stat.S_ISGID):
+                valid |= p.FATTR_MODE
+                mode = _without_setid(current)
+        changes = SetAttributes(
+            mode=mode if valid & p.FATTR_MODE else None,
+            uid=uid if valid & p.FATTR_UID else None,
+            gid=gid if valid & p.FATTR_GID else None,
+            size=size if valid & p.FATTR_SIZE else None,
+            mtime_ns=(now if valid & p.FATTR_MTIME_NOW else mtime * 10**9 + mtimensec)
+            if valid & p.FATTR_MTIME else None,
+            atime_ns=(now if valid & p.FATTR_ATIME_NOW else atime * 10**9 + atimensec)
+            if valid & p.FATTR_ATIME else None)
+        inode = await self.fs.setattr(req.nodeid, changes,
+                                      fh if valid & p.FATTR_FH else None)
+        self.fs.rebase(req.nodeid)
+        return self.attr_out(inode)
+
+    async def readlink(self, req: Request, body: memoryview) -> Reply:
+        return await self.fs.readlink(req.nodeid)
+
+    async def symlink(self, req: Request, body: memoryview) -> Reply:
+        name, end = p.cstring(body)
+        target, _ = p.cstring(body, end)
+        return self.entry(await self.fs.symlink(req.nodeid, name, target, req.uid, req.gid))
+
+    async def mknod(self, req: Request, body: memoryview) -> Reply:
+        mode, rdev, umask, _ = p.MKNOD_IN.unpack_from(body)
+        name, _ = p.cstring(body, p.MKNOD_IN.size)
+        return self.entry(await self.fs.mknod(req.nodeid, name, mode & ~umask, rdev,
+                                              req.uid, req.gid))
+
+    async def mkdir(self, req: Request, body: memoryview) -> Reply:
+        mode, umask = p.MKDIR_IN.unpack_from(body)
+        name, _ = p.cstring(body, p.MKDIR_IN.size)
+        return self.entry(await self.fs.mkdir(req.nodeid, name, stat.S_IFDIR | mode & ~umask,
+                                              req.uid, req.gid))
+
+    async def unlink(self, req: Request, body: memoryview) -> Reply:
+        await self.fs.unlink(req.nodeid, p.cstring(body)[0])
+        return b""
+
+    async def rmdir(self, req: Request, body: memoryview) -> Reply:
+        await self.fs.rmdir(req.nodeid, p.cstring(body)[0])
+        return b""
+
+    async def rename(self, req: Request, body: memoryview) -> Reply:
+        (newdir,) = p.RENAME_IN.unpack_from(body)
+        return await self._rename(req, newdir, 0, body, p.RENAME_IN.size)
+
+    async def rename2(self, req: Request, body: memoryview) -> Reply:
+        newdir, flags, _ = p.RENAME2_IN.unpack_from(body)
+        return await self._rename(req, newdir, flags, body, p.RENAME2_IN.size)
+
+    async def _rename(self, req: Request, newdir: int, flags: int, body: memoryview,
+                      start: int) -> Reply:
+        old, end = p.cstring(body, start)
+        new, _ = p.cstring(body, end)
+        await self.fs.rename(req.nodeid, old, newdir, new, flags)
+        return b""
+
+    async def link(self, req: Request, body: memoryview) -> Reply:
+        (oldnodeid,) = p.LINK_IN.unpack_from(body)
+        name, _ = p.cstring(body, p.LINK_IN.size)
+        return self.entry(await self.fs.link(oldnodeid, req.nodeid, name))
+
+    # -- files ------------------------------------------------------------------------
+    async def open(self, req: Request, body: memoryview) -> Reply:
+        flags, open_flags = p.OPEN_IN.unpack_from(body)
+        fh, keep_cache = await self.fs.open(req.nodeid, flags, req.uid)
+        if open_flags & p.OPEN_KILL_SUIDGID:
+            await self._kill_setid(req.nodeid)
+        return await self._opened(req.nodeid, fh, flags, keep_cache)
+
+    async def create(self, req: Request, body: memoryview) -> Reply:
+        flags, mode, umask, _ = p.CREATE_IN.unpack_from(body)
+        name, _ = p.cstring(body, p.CREATE_IN.size)
+        fh, inode = await self.fs.create(req.nodeid, name, mode & ~umask, flags, req.uid,
+                                         req.gid)
+        return [self.entry(inode), await self._opened(inode.ino, fh, flags, False)]
+
+    async def _opened(self, ino: int, fh: int, flags: int, keep_cache: bool) -> bytes:
+        try:
+            backing = await self.passthrough.backing_for(ino, fh)
+        except BaseException:
+            self.fs.release(fh)
+            raise
+        if backing:
+            return p.OPEN_OUT.pack(fh, p.FOPEN_PASSTHROUGH, backing)
+        open_flags = p.FOPEN_KEEP_CACHE if keep_cache else 0
+        if self.fs.writes_direct(flags):
+            open_flags |= p.FOPEN_DIRECT_IO
+        return p.OPEN_OUT.pack(fh, open_flags, 0)
+
+    async def _kill_setid(self, ino: int) -> None:
+        mode = self.fs.attributes(await self.fs.getattr(ino)).mode
+        if mode & (stat.S_ISUID | stat.S_ISGID) != _without_setid(mode) & (
+                stat.S_ISUID | stat.S_ISGID):
+            await self.fs.setattr(ino, SetAttributes(mode=_without_setid(mode)))
+
+    async def read(self, req: Request, body: memoryview) -> Reply:
+        fh, offset, size, *_ = p.READ_IN.unpack_from(body)
+        return await self.fs.read(fh, offset, size)
+
+    async def write(self, req: Request, body: memoryview) -> Reply:
+        fh, offset, size, *_ = p.WRITE_IN.unpack_from(body)
+        data = body[p.WRITE_IN.size:p.WRITE_IN.size + size]
+        return p.WRITE_OUT.pack(await self.fs.write(fh, offset, data), 0)
+
+    async def flush(self, req: Request, body: memoryview) -> Reply:
+        (fh, *_) = p.FLUSH_IN.unpack_from(body)
+        self.fs.absorb(req.nodeid)
+        await self.fs.flush(fh)
+        return b""
+
+    async def release(self, req: Request, body: memoryview) -> Reply:
+        (fh, *_) = p.RELEASE_IN.unpack_from(body)
+        try:
+            self.passthrough.released(fh)
+        finally:
+            self.fs.release(fh)
+        return b""
+
+    async def fsync(self, req: Request, body: memoryview) -> Reply:
+        fh, flags, _ = p.FSYNC_IN.unpack_from(body)
+        self.fs.absorb(req.nodeid)
+        await self.fs.fsync(fh, bool(flags & p.FSYNC_FDATASYNC))
+        return b""
+
+    async def fsyncdir(self, req: Request, body: memoryview) -> Reply:
+        return b""  # directory changes are in LMDB; durable with the next fsync
+
+    # -- directories ------------------------------------------------------------------
+    async def opendir(self, req: Request, body: memoryview) -> Reply:
+        return p.OPEN_OUT.pack(await self.fs.opendir(req.nodeid), 0, 0)
+
+    async def readdir(self, req: Request, body: memoryview) -> Reply:
+        return await self._readdir(body, plus=False)
+
+    async def readdirplus(self, req: Request, body: memoryview) -> Reply:
+        return await self._readdir(body, plus=True)
+
+    async def _readdir(self, body: memoryview, plus: bool) -> Reply:
+        fh, cookie, size, *_ = p.READ_IN.unpack_from(body)
+        out: list[bytes] = []
+        room = size
+        while True:
+            batch = await self.fs.readdir(fh, cookie)
+            if not batch:
+                return out
+            for next_cookie, name, inode in batch:
+                a = self.fs.attributes(inode)
+                record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
+                if plus:
+                    dot = name in (b".", b"..")
+                    # the kernel takes no reference to . and .., nor to nodeid 0
+                    record = (bytes(p.ENTRY_HEAD.size + p.ATTR.size) if dot
+                              else self.entry(inode)) + record
+                if len(record) > room:
+                    return out
+                out.append(record)
+                room -= len(record)
+                if plus and not dot:
+                    self.fs.remember(inode.ino)
+                cookie = next_cookie
+
+    async def releasedir(self, req: Request, body: memoryview) -> Reply:
+        (fh, *_) = p.RELEASE_IN.unpack_from(body)
+        self.fs.releasedir(fh)
+        return b""
+
+    # -- the rest ---------------------------------------------------------------------
+    async def statfs(self, req: Request, body: memoryview) -> Reply:
+        f = self.fs.statfs()
+        return p.STATFS_OUT.pack(f["blocks"], f["bfree"], f["bavail"], f["files"], f["ffree"],
+                                 f["bsize"], f["namemax"], f["frsize"], 0)
+
+    async def getxattr(self, req: Request, body: memoryview) -> Reply:
+        size, _ = p.GETXATTR_IN.unpack_from(body)
+        name, _ = p.cstring(body, p.GETXATTR_IN.size)
+        return _sized(await self.fs.getxattr(req.nodeid, name), size)
+
+    async def listxattr(self, req: Request, body: memoryview) -> Reply:
+        size, _ = p.GETXATTR_IN.unpack_from(body)
+        names = await self.fs.listxattr(req.nodeid)
+        return _sized(b"".join(name + b"\0" for name in names), size)
+
+    async def setxattr(self, req: Request, body: memoryview) -> Reply:
+        size, _flags = p.SETXATTR_IN.unpack_from(body)
+        name, end = p.cstring(body, p.SETXATTR_IN.size)
+        self.fs.setxattr(req.nodeid, name, bytes(body[end:end + size]))
+        return b""
+
+    async def removexattr(self, req: Request, body: memoryview) -> Reply:
+        self.fs.removexattr(req.nodeid, p.cstring(body)[0])
+        return b""
+
+    async def ioctl(self, req: Request, body: memoryview) -> Reply:
+        raise FsError(errno.ENOTTY)  # isatty() of every Python open() asks: no terminal
+
+
+def _sized(value: bytes, size: int) -> bytes:
+    """An xattr reply: its length when asked with size 0, ERANGE if it does not fit."""
+    if size == 0:
+        return p.GETXATTR_OUT.pack(len(value), 0)
+    if len(value) > size:
+        raise FsError(errno.ERANGE)
+    return value
+
+
+def _without_setid(mode: int) -> int:
+    """``mode`` as Linux leaves it after a write or truncate by an unprivileged
+    user: set-user-ID cleared, set-group-ID too if group-executable."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
+

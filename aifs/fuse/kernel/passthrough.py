@@ -1,0 +1,76 @@
+"""FUSE passthrough: opens whose reads and writes the kernel sends straight
+to the file's local copy (docs/kernel-binding.md).
+
+The core decides which handles may go direct (:mod:`aifs.posix.direct`);
+this registers the copy with the kernel (``FUSE_DEV_IOC_BACKING_OPEN``), one
+backing id per inode shared by all its direct handles, and drops the id when
+the last of them is released (not earlier: the kernel looks the id up after
+it reads the open reply). Where the kernel refuses the ioctl (not root on
+the host, no CONFIG_FUSE_PASSTHROUGH) every open is served by the daemon.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import struct
+
+from aifs.core import Filesystem
+from aifs.fuse.kernel import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class Passthrough:
+    def __init__(self, fs: Filesystem) -> None:
+        self.fs = fs
+        self.devfd = -1
+        self.enabled = False  # set once INIT settled passthrough
+        self.ids: dict[int, list[int]] = {}  # ino -> [backing id, direct handles]
+        self.handles: dict[int, int] = {}  # direct fh -> ino
+        self.opened = 0  # direct opens, for tests and metrics
+
+    def is_direct(self, ino: int) -> bool:
+        return ino in self.ids
+
+    async def backing_for(self, ino: int, fh: int) -> int:
+        """The backing id an open of ``ino`` as ``fh`` replies with, or 0."""
+        if not self.enabled:
+            return 0
+        entry = self.ids.get(ino)
+        fd = await self.fs.direct_backing(fh, entry is not None)
+        if fd is None:
+            if entry is not None:
+                log.error("inode %d is open in passthrough, but handle %d cannot be", ino, fh)
+            return 0
+        if entry is None:
+            try:
+                backing = fcntl.ioctl(self.devfd, p.DEV_IOC_BACKING_OPEN,
+                                      bytearray(p.BACKING_MAP.pack(fd, 0, 0)), True)
+            except OSError as exc:
+                log.warning("passthrough off: the kernel refused a backing file (%s)",
+                            exc.strerror)
+                self.enabled = False
+                self.fs.direct_released(fh)
+                return 0
+            entry = self.ids[ino] = [backing, 0]
+        entry[1] += 1
+        self.handles[fh] = ino
+        self.opened += 1
+        return entry[0]
+
+    def released(self, fh: int) -> None:
+        ino = self.handles.pop(fh, None)
+        if ino is None:
+            return
+        self.fs.direct_released(fh)
+        entry = self.ids[ino]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.ids[ino]
+            try:
+                fcntl.ioctl(self.devfd, p.DEV_IOC_BACKING_CLOSE,
+                            bytearray(struct.pack("<I", entry[0])), True)
+            except OSError as exc:
+                log.warning("closing backing id %d of inode %d: %s", entry[0], ino,
+                            exc.strerror)

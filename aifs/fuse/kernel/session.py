@@ -1,0 +1,184 @@
+"""A FUSE session on ``/dev/fuse``, served under trio without libfuse.
+
+Workers take turns reading the device (one waits on it at a time; a read
+returns one whole request), answer the request, and read again. When every
+worker is busy (a request waiting on the lake), another is started, up to
+:data:`MAX_WORKERS`; so a slow request never holds up the others, and a
+quiet mount costs one task. Each worker reads into a buffer of its own,
+which the request's handler may use until it replies (a WRITE's bytes reach
+the local copy without a copy of their own).
+
+INIT is answered here: what the kernel offers and aifs wants (docs in
+``docs/kernel-binding.md``). FORGET and BATCH_FORGET are answered inline
+(no reply), INTERRUPT is let go: every request aifs serves ends by itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+
+import trio
+
+from aifs.fuse.errors import errno_for
+from aifs.fuse.kernel import protocol as p
+from aifs.fuse.kernel.operations import Operations, Reply, Request
+from aifs.fuse.kernel.passthrough import Passthrough
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 64
+MAX_WRITE = 1 << 20  # with MAX_PAGES 256: 1 MiB reads and writes
+BUFFER = MAX_WRITE + 4096  # header and a WRITE's fields, ahead of its bytes
+MAX_READAHEAD = 1 << 20
+
+
+class Session:
+    def __init__(self, fd: int, ops: Operations, forget: Callable[[list[tuple[int, int]]], None],
+                 passthrough: Passthrough, max_background: int = 12,
+                 want_passthrough: bool = False) -> None:
+        self.fd = fd
+        self.ops = ops
+        self.forget = forget
+        self.passthrough = passthrough
+        self.max_background = max_background
+        self.want_passthrough = want_passthrough
+        self.proto_minor = 0
+        self.lock = trio.Lock()
+        self.workers = 0
+        self.idle = 0
+        self.done = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        os.set_blocking(fd, False)
+
+    async def run(self) -> None:
+        """Serve until the kernel ends the session (unmount) or :meth:`terminate`."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._stop_when_done, nursery)
+            self._spawn()
+
+    def terminate(self) -> None:
+        self.done.set()
+
+    async def _stop_when_done(self, nursery: trio.Nursery) -> None:
+        await self.done.wait()
+        nursery.cancel_scope.cancel()
+
+    def _spawn(self) -> None:
+        assert self._nursery is not None
+        self.workers += 1
+        self.idle += 1
+        self._nursery.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        buf = bytearray(BUFFER)
+        view = memoryview(buf)
+        while True:
+            async with self.lock:
+                n = await self._read(buf)
+            if n is None:
+                self.done.set()
+                return
+            self.idle -= 1
+            if self.idle == 0 and self.workers < MAX_WORKERS:
+                self._spawn()
+            try:
+                await self._serve(view[:n])
+            finally:
+                self.idle += 1
+
+    async def _read(self, buf: bytearray) -> int | None:
+        while True:
+            try:
+                return os.readv(self.fd, [buf])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.fd)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:  # the request was interrupted: next
+                    continue
+                if exc.errno != errno.ENODEV:  # ENODEV: unmounted
+                    log.error("reading /dev/fuse: %s", exc)
+                return None
+
+    async def _serve(self, data: memoryview) -> None:
+        (length, opcode, unique, nodeid, uid, gid, pid, extlen,
+         _) = p.IN_HEADER.unpack_from(data)
+        body = data[p.IN_HEADER.size:length - extlen * 8]
+        if opcode == p.FORGET:
+            self._forget([(nodeid, p.FORGET_IN.unpack_from(body)[0])])
+            return
+        if opcode == p.BATCH_FORGET:
+            (count, _) = p.BATCH_FORGET_IN.unpack_from(body)
+            self._forget([p.FORGET_ONE.unpack_from(body, p.BATCH_FORGET_IN.size + 16 * i)
+                          for i in range(count)])
+            return
+        if opcode == p.INTERRUPT:
+            return
+        if opcode == p.INIT:
+            self._reply(unique, 0, self._init(body))
+            return
+        if opcode == p.DESTROY:
+            self._reply(unique, 0, b"")
+            self.done.set()
+            return
+        handler = self.ops.handlers.get(opcode)
+        if handler is None:
+            self._reply(unique, errno.ENOSYS, b"")
+            return
+        try:
+            reply = await handler(Request(opcode, unique, nodeid, uid, gid, pid), body)
+        except Exception as exc:
+            self._reply(unique, errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()), b"")
+            return
+        self._reply(unique, 0, reply)
+
+    def _forget(self, items: list[tuple[int, int]]) -> None:
+        try:
+            self.forget(items)
+        except Exception:  # no reply to give: never raise
+            log.exception("forget failed")
+
+    def _reply(self, unique: int, error: int, body: Reply) -> None:
+        parts = [] if error or body is None else body if isinstance(body, list) else [body]
+        length = p.OUT_HEADER.size + sum(len(part) for part in parts)
+        try:
+            os.writev(self.fd, [p.OUT_HEADER.pack(length, -error, unique), *parts])
+        except OSError as exc:
+            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("answering request %d: %s", unique, exc)
+
+    def notify(self, code: int, body: bytes) -> bool:
+        """Tell the kernel something unasked (an invalidation); False if it
+        could not be told (it does not know the entry: nothing to drop)."""
+        try:
+            os.writev(self.fd, [p.OUT_HEADER.pack(p.OUT_HEADER.size + len(body), code, 0),
+                                body])
+            return True
+        except OSError:
+            return False
+
+    def _init(self, body: memoryview) -> bytes:
+        major, minor, _readahead, flags = p.INIT_IN.unpack_from(body)
+        if major != p.KERNEL_VERSION:
+            raise RuntimeError(f"FUSE protocol {major}.{minor}: aifs speaks 7.x only")
+        if flags & p.INIT_EXT and len(body) >= p.INIT_IN.size + 4:
+            flags |= int.from_bytes(body[p.INIT_IN.size:p.INIT_IN.size + 4], "little") << 32
+        want = (p.ASYNC_READ | p.ATOMIC_O_TRUNC | p.BIG_WRITES | p.AUTO_INVAL_DATA
+                | p.DO_READDIRPLUS | p.READDIRPLUS_AUTO | p.ASYNC_DIO | p.PARALLEL_DIROPS
+                | p.MAX_PAGES | p.CACHE_SYMLINKS | p.HANDLE_KILLPRIV_V2 | p.INIT_EXT)
+        if self.want_passthrough:
+            want |= p.PASSTHROUGH
+        chosen = flags & want
+        self.passthrough.enabled = bool(chosen & p.PASSTHROUGH)
+        self.proto_minor = min(minor, p.KERNEL_MINOR)
+        log.info("FUSE protocol 7.%d; kernel offered %#x, using %#x", minor, flags, chosen)
+        return p.INIT_OUT.pack(
+            p.KERNEL_VERSION, self.proto_minor, MAX_READAHEAD, chosen & 0xFFFFFFFF,
+            self.max_background, self.max_background * 3 // 4, MAX_WRITE, 1,
+            MAX_WRITE // 4096, 0, chosen >> 32, 1 if self.passthrough.enabled else 0)

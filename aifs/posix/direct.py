@@ -1,0 +1,131 @@
+"""Direct handles: reads and writes that go from the kernel straight to a
+file's local copy, past the daemon (FUSE passthrough, kernel binding).
+
+A handle may go direct only where the local copy is the whole file (written
+on this node, or fetched whole), and the kernel asks that every open of an
+inode be direct while one is, so the binding says whether the inode is
+direct already. A direct writer's bytes never pass through aifs: its local
+copy is marked dirty and unclosed at open (as a first write would), and what
+the kernel wrote is taken from the copy itself (:meth:`Direct.absorb`, at
+getattr, flush, fsync and release): its size, and its mtime when it moved.
+A writer does not go direct where the cache disk is short of room (a full
+disk must make it wait for promotion, not fail: ``posix.writes``), where it
+must clear set-user-ID, or where its file would be streamed to the lake as
+it is written (streaming follows WRITE requests; a direct writer sends none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from aifs.config import Config
+from aifs.meta.store import Inode
+from aifs.posix.inodes import Inodes
+from aifs.posix.writes import Writes
+
+log = logging.getLogger(__name__)
+
+DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
+
+
+class Direct:
+    def __init__(self, inodes: Inodes, config: Config, writes: Writes) -> None:
+        self.inodes = inodes
+        self.config = config
+        self.writes = writes
+        self.local = inodes.local
+        #: inode -> (size, mtime_ns) of its copy when last absorbed, while direct writers last
+        self.seen: dict[int, tuple[int, int]] = {}
+        self.writers: dict[int, int] = {}
+
+    async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
+        """The local copy's fd if handle ``fh`` may go direct, else None.
+        ``inode_is_direct``: another handle of the inode is direct already."""
+        inodes = self.inodes
+        handle = inodes.files.get(fh)
+        if handle is None:
+            return None
+        ino = handle.ino
+        if not self.local.has(ino) or ino in inodes.stale_local:
+            return None
+        if not inode_is_direct:
+            if inodes.opens.get(ino, 0) != 1:
+                return None  # others hold it through the daemon: it stays so
+            if handle.writable and not self._may_write_direct(handle.kill_setid):
+                return None
+        if handle.writable:
+            await self.writes.make_local(ino)
+            inodes.mark_unclosed(ino)
+            self.writes.promoter.streams.cancel(ino, "written directly (passthrough)")
+            self.writers[ino] = self.writers.get(ino, 0) + 1
+            if ino not in self.seen:
+                self.seen[ino] = self._stat(ino)
+        inodes.counters.direct_opens += 1
+        log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
+                  "writer" if handle.writable else "reader")
+        return self.local.fd(ino)
+
+    def _may_write_direct(self, kill_setid: bool) -> bool:
+        if kill_setid or self.config.streams_large_files():
+            return False
+        budget = self.config.cache_size - self.writes.cache.used - self.local.used
+        try:
+            st = os.statvfs(self.local.root)
+        except OSError:
+            return False
+        return min(budget, st.f_bavail * st.f_frsize) >= DIRECT_WRITE_ROOM
+
+    def _stat(self, ino: int) -> tuple[int, int]:
+        st = os.fstat(self.local.fd(ino))
+        return st.st_size, st.st_mtime_ns
+
+    def absorb(self, ino: int) -> None:
+        """Take what direct writers wrote to ``ino``'s copy since last asked."""
+        seen = self.seen.get(ino)
+        if seen is None or not self.local.has(ino):
+            return
+        now = self._stat(ino)
+        if now == seen:
+            return
+        self.seen[ino] = now
+        log.debug("inode %d written directly: %d bytes", ino, now[0])
+        inodes = self.inodes
+        old = inodes.written.get(ino)
+        size = now[0]
+        mtime = now[1] if old is None or now[1] != seen[1] else old[1]
+        inodes.written[ino] = (size, mtime)
+        inodes.unsaved.add(ino)
+        inodes.changed(ino)
+        inodes.kernel_etag.pop(ino, None)  # the mount's own cached pages are stale
+        self.local.resized(ino, size)
+        if old is not None and size > old[0]:
+            inodes.counters.write_bytes += size - old[0]
+
+    def absorbed(self, inode: Inode) -> Inode:
+        """``inode`` with what direct writers wrote (every reply that carries
+        attributes must: the kernel takes the size of the last one)."""
+        if inode.ino in self.seen:
+            self.absorb(inode.ino)
+            return self.inodes.with_written(inode)
+        return inode
+
+    def rebase(self, ino: int) -> None:
+        """aifs itself changed the copy (truncate, times): not a direct write."""
+        if ino in self.seen and self.local.has(ino):
+            self.seen[ino] = self._stat(ino)
+
+    def released(self, fh: int) -> None:
+        """Before the core releases ``fh``: the last direct writer takes its
+        writes along."""
+        handle = self.inodes.files.get(fh)
+        if handle is None or not handle.writable or handle.ino not in self.writers:
+            return
+        ino = handle.ino
+        self.absorb(ino)
+        left = self.writers[ino] - 1
+        if left:
+            self.writers[ino] = left
+        else:
+            del self.writers[ino]
+            self.seen.pop(ino, None)

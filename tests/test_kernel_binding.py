@@ -1,0 +1,154 @@
+"""The kernel binding (aifs's own FUSE session on /dev/fuse) and passthrough:
+files whose whole content is on the local disk are read and written by the
+kernel straight from the local copy; the daemon sees only open and release.
+Each case checks what a user would: bytes, sizes and times as on tmpfs,
+the data in the lake after unmount, and that the daemon was bypassed
+(its request counters, ``user.aifs.stats``)."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import file_digest, lake_tree
+
+from aifs.fuse.kernel import protocol as p
+
+MiB = 1 << 20
+
+
+def stats(path: Path) -> dict[str, int]:
+    return json.loads(os.getxattr(path, "user.aifs.stats"))
+
+
+def kernel_mount(lake, mounter, *extra: str, **kw):
+    return mounter(lake, "--fuse-binding", "kernel", "--promote-delay", "0.2", *extra, **kw)
+
+
+def test_the_wire_structs_have_the_sizes_of_fuse_h() -> None:
+    # sizes from include/uapi/linux/fuse.h (7.45): a wrong one garbles every reply
+    assert (p.IN_HEADER.size, p.OUT_HEADER.size, p.ATTR.size) == (40, 16, 88)
+    assert p.ENTRY_HEAD.size + p.ATTR.size == 128  # fuse_entry_out
+    assert p.ATTR_OUT_HEAD.size + p.ATTR.size == 104  # fuse_attr_out
+    assert (p.INIT_OUT.size, p.SETATTR_IN.size, p.STATFS_OUT.size) == (64, 88, 80)
+    assert (p.READ_IN.size, p.WRITE_IN.size, p.OPEN_OUT.size) == (40, 40, 16)
+    assert p.dirent(5, 1, b"abc", 8) == struct.pack("<QQII", 5, 1, 3, 8) + b"abc" + bytes(5)
+
+
+def test_the_mount_says_which_binding_serves_it(lake, mounter) -> None:
+    m = kernel_mount(lake, mounter)
+    (m.path / "f").write_bytes(b"x")
+    assert "kernel binding" in m.log_text()
+    assert "FUSE protocol 7." in m.log_text()
+
+
+def test_a_file_written_here_is_read_and_written_past_the_daemon(tmp_path, mounter,
+                                                                  aifs_cli) -> None:
+    from conftest import _make_lake  # local lake: writers go direct where nothing streams
+    lake = _make_lake("local", None, tmp_path)
+    m = kernel_mount(lake, mounter)
+    data = os.urandom(8 * MiB + 123)
+    before = stats(m.path)
+    (m.path / "w.bin").write_bytes(data)
+    assert (m.path / "w.bin").stat().st_size == len(data)
+    assert (m.path / "w.bin").read_bytes() == data
+    after = stats(m.path)
+    assert after["direct_opens"] - before["direct_opens"] == 2
+    assert after["write_requests"] == before["write_requests"], "writes reached the daemon"
+    assert after["read_requests"] == before["read_requests"], "reads reached the daemon"
+    m.unmount()
+    files, _ = lake_tree(lake)
+    assert files["w.bin"] == data
+    again = kernel_mount(lake, mounter, name="again")  # empty cache: from the lake
+    assert (again.path / "w.bin").read_bytes() == data
+
+
+def test_direct_writes_keep_sizes_and_times_as_tmpfs_does(tmp_path, tmpfs, mounter) -> None:
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    m = kernel_mount(lake, mounter)
+    for root in (tmpfs, m.path):
+        f = root / "t.bin"
+        with open(f, "wb") as out:
+            out.write(b"a" * 5000)
+            out.flush()
+            assert os.stat(f).st_size == 5000  # seen while still open
+            out.truncate(100)
+            out.seek(1 << 20)
+            out.write(b"end")
+        os.utime(f, ns=(1_000_000_000, 2_000_000_000))  # cp -a, tar x
+        with open(f, "r+b") as again:
+            again.seek(0)
+            again.write(b"Z")
+        os.utime(f, ns=(3_000_000_000, 4_000_000_000))
+    local, mounted = os.stat(tmpfs / "t.bin"), os.stat(m.path / "t.bin")
+    assert (mounted.st_size, mounted.st_mtime_ns) == (local.st_size, local.st_mtime_ns)
+    assert file_digest(m.path / "t.bin") == file_digest(tmpfs / "t.bin")
+    m.unmount()
+    again = kernel_mount(lake, mounter, name="again")
+    st = os.stat(again.path / "t.bin")
+    assert (st.st_size, st.st_mtime_ns) == (local.st_size, local.st_mtime_ns)
+    assert file_digest(again.path / "t.bin") == file_digest(tmpfs / "t.bin")
+
+
+def test_a_reader_in_passthrough_and_a_later_writer_share_the_file(tmp_path, mounter) -> None:
+    # The kernel wants every open of an inode in passthrough while one is
+    # (otherwise: EIO). A writer that opens while a direct reader holds the
+    # file must work, and the reader must see its bytes.
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    m = kernel_mount(lake, mounter, "--stream-large-files", "false")
+    f = m.path / "shared"
+    f.write_bytes(b"0" * 4096)
+    with open(f, "rb") as reader, open(f, "r+b") as writer:
+        writer.seek(10)
+        writer.write(b"written")
+        writer.flush()
+        reader.seek(10)
+        assert reader.read(7) == b"written"
+        with open(f, "ab") as appender:
+            appender.write(b"tail")
+    assert f.stat().st_size == 4100
+    assert f.read_bytes() == b"0" * 10 + b"written" + b"0" * 4079 + b"tail"
+
+
+def test_mmap_writes_reach_the_lake(tmp_path, mounter) -> None:
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    m = kernel_mount(lake, mounter)
+    f = m.path / "mapped"
+    f.write_bytes(bytes(MiB))
+    with open(f, "r+b") as fp, mmap.mmap(fp.fileno(), MiB) as mapped:
+        mapped[100:105] = b"hello"
+        mapped.flush()
+    m.unmount()
+    files, _ = lake_tree(lake)
+    assert files["mapped"][100:105] == b"hello"
+    assert len(files["mapped"]) == MiB
+
+
+@pytest.mark.parametrize("binding", ["kernel", "pyfuse3"])
+def test_a_file_of_the_lake_not_yet_local_is_served_by_the_daemon(lake, mounter, aifs_cli,
+                                                                   binding) -> None:
+    data = os.urandom(3 * MiB)
+    lake.put("cold.bin", data)
+    m = mounter(lake, "--fuse-binding", binding)
+    before = stats(m.path)
+    assert (m.path / "cold.bin").read_bytes() == data
+    after = stats(m.path)
+    assert after["direct_opens"] == before["direct_opens"]
+    assert after["read_requests"] > before["read_requests"]
+
+
+def test_passthrough_off_serves_every_read_in_the_daemon(tmp_path, mounter) -> None:
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    m = kernel_mount(lake, mounter, "--passthrough", "false")
+    (m.path / "f").write_bytes(b"abc" * 1000)
+    assert (m.path / "f").read_bytes() == b"abc" * 1000
+    s = stats(m.path)
+    assert s["direct_opens"] == 0 and s["write_requests"] > 0 and s["read_requests"] > 0
