@@ -250,11 +250,16 @@ class Inodes:
             self.meta.clear_unclosed(ino)
 
     # -- directory times ------------------------------------------------------------
-    def touch_dir(self, ino: int) -> None:
+    def touch_dir(self, ino: int, subdirs: bool = True) -> None:
         """A directory's entries changed: its mtime moves (kept locally only, and
-        stored in batches: a create costs no extra metadata transaction)."""
+        stored in batches: a create costs no extra metadata transaction).
+        ``subdirs``: the change may have added or removed a subdirectory, so its
+        count (st_nlink) is counted again; a file's create or unlink does not
+        (that recount scans the whole directory: once per create it made
+        creating n files in one directory cost n^2)."""
         self.dir_times[ino] = (time.time_ns(), self.clock())
-        self.subdir_counts.pop(ino, None)
+        if subdirs:
+            self.subdir_counts.pop(ino, None)
 
     def save_dir_times(self) -> None:
         """Store the directory times changed since the last call."""

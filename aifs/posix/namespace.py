@@ -94,7 +94,7 @@ class Namespace:
         inode = self.meta.create(directory.ino, name, inode, unclosed)
         if unclosed:
             self.inodes.unclosed.add(inode.ino)
-        self.inodes.touch_dir(directory.ino)
+        self.inodes.touch_dir(directory.ino, subdirs=inode.is_dir)
         self.inodes.remember(inode.ino)
         return inode
 
@@ -180,7 +180,7 @@ class Namespace:
     def _remove(self, parent: int, name: bytes) -> None:
         key = self.inodes.get(parent).key + name_of(name)
         removed = self.meta.remove(parent, name)
-        self.inodes.touch_dir(parent)
+        self.inodes.touch_dir(parent, subdirs=removed is None or removed.is_dir)
         if removed is not None and removed.packed:
             self.packer.queue_records([deletion(key)])
         if removed is not None and removed.orphan:
@@ -213,7 +213,7 @@ class Namespace:
         inodes.changed(ino)
         linked = self.meta.link(ino, new_parent, new_name, key,
                                 f"{self.meta.node_id()}-{ino}")
-        inodes.touch_dir(new_parent)
+        inodes.touch_dir(new_parent, subdirs=False)
         inodes.remember(ino)
         inodes.schedule(ino)
         return inodes.with_written(linked)
@@ -266,9 +266,9 @@ class Namespace:
             for inode in self.meta.pending_inodes():
                 if inode.pending & DATA and inodes.is_under(inode, moved.ino):
                     inodes.schedule(inode.ino, sooner=True)
-        inodes.touch_dir(old_parent)
+        inodes.touch_dir(old_parent, subdirs=moved.is_dir)
         if new_parent != old_parent:
-            inodes.touch_dir(new_parent)
+            inodes.touch_dir(new_parent, subdirs=moved.is_dir)
         self.checkpoints.committed_by_rename(moved)
         if not moved.is_dir:
             self.promoter.streams.cancel(moved.ino, "renamed")

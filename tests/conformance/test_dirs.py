@@ -60,6 +60,17 @@ def test_directory_nlink(sides):
         os.rmdir(root / "a" / "y")
         out.append(os.stat(root / "a").st_nlink)
         out.append(os.stat(root / "a" / "f").st_nlink)
+        # each change after a stat: a count kept from before must follow it
+        for change in (lambda: (root / "a" / "g").write_bytes(b""),
+                       lambda: os.mkdir(root / "a" / "z"),
+                       lambda: os.rename(root / "a" / "g", root / "a" / "h"),
+                       lambda: os.link(root / "a" / "h", root / "a" / "i"),
+                       lambda: os.unlink(root / "a" / "h"),
+                       lambda: os.rename(root / "a" / "z", root / "b" / "z"),
+                       lambda: os.rename(root / "b" / "x", root / "a" / "x"),
+                       lambda: os.rmdir(root / "a" / "x")):
+            change()
+            out += [os.stat(root / "a").st_nlink, os.stat(root / "b").st_nlink]
         return out
     both(sides, case)
 
