@@ -127,6 +127,16 @@ def _parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="compact sparse packs, delete packs nothing refers to "
                         "(after pack_gc_grace) and fold the journals into one")
     gc.add_argument("path", nargs="?", default=".", metavar="PATH")
+
+    bench = sub.add_parser("bench", help="the standard workloads on temporary mounts beside "
+                           "the local disk: one ratio table (root)")
+    bench.add_argument("--size", default="1G", help="the big file and state dict")
+    bench.add_argument("--files", type=int, default=2000, help="small files of 16 KiB")
+    bench.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
+    bench.add_argument("--binding", dest="bindings", action="append",
+                       choices=["kernel", "pyfuse3"], help="default: both")
+    bench.add_argument("--work-dir", help="on the disk to compare with (default /var/tmp)")
+    bench.add_argument("--json", action="store_true", help="the results as JSON")
     return parser
 
 
@@ -550,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
             return _pack(args.path, args.quiet)
         if args.command == "gc":
             return _gc(args.path)
+        if args.command == "bench":
+            from aifs import bench
+            from aifs.config import parse_size
+            return bench.main(parse_size(args.size), args.files, args.runs,
+                              args.bindings or ["kernel", "pyfuse3"], args.work_dir, args.json)
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aifs.config import Config
 from aifs.core import Filesystem
 from aifs.errors import ConfigError
+
+if TYPE_CHECKING:
+    from aifs.fuse.kernel.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class KernelBinding:
         self.config = config
         self.passthrough = Passthrough(fs)
         self.ops = Operations(fs, self.passthrough)
-        self.session = None
+        self.session: Session | None = None
         self.fd = -1
 
     def mount(self) -> None:
@@ -89,7 +92,10 @@ class KernelBinding:
 
     async def serve(self) -> None:
         assert self.session is not None
-        await self.session.run()
+        try:
+            await self.session.run()
+        finally:
+            log.info("requests served: %s", self.session.summary())
 
     def terminate(self) -> None:
         if self.session is not None:

@@ -47,10 +47,13 @@ class Direct:
         if handle is None:
             return None
         ino = handle.ino
-        if not self.local.has(ino) or ino in inodes.stale_local:
+        if not self.local.has(ino):
             return None
         if not inode_is_direct:
-            if inodes.opens.get(ino, 0) != 1:
+            # (Once direct, an inode's later opens share its copy even where a
+            # newer version came from another node: the kernel knows one
+            # backing file per inode. SEMANTICS.md, "Passthrough".)
+            if ino in inodes.stale_local or inodes.opens.get(ino, 0) != 1:
                 return None  # others hold it through the daemon: it stays so
             if handle.writable and not self._may_write_direct(handle.kill_setid):
                 return None

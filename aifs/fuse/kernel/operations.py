@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -192,9 +193,11 @@ class Operations:
         except BaseException:
             self.fs.release(fh)
             raise
+        # A close of a read-only handle has nothing to flush: the kernel need not ask.
+        noflush = p.FOPEN_NOFLUSH if flags & os.O_ACCMODE == os.O_RDONLY else 0
         if backing:
-            return p.OPEN_OUT.pack(fh, p.FOPEN_PASSTHROUGH, backing)
-        open_flags = p.FOPEN_KEEP_CACHE if keep_cache else 0
+            return p.OPEN_OUT.pack(fh, p.FOPEN_PASSTHROUGH | noflush, backing)
+        open_flags = noflush | (p.FOPEN_KEEP_CACHE if keep_cache else 0)
         if self.fs.writes_direct(flags):
             open_flags |= p.FOPEN_DIRECT_IO
         return p.OPEN_OUT.pack(fh, open_flags, 0)

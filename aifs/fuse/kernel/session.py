@@ -15,6 +15,7 @@ INIT is answered here: what the kernel offers and aifs wants (docs in
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -50,6 +51,7 @@ class Session:
         self.workers = 0
         self.idle = 0
         self.done = trio.Event()
+        self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
         self._nursery: trio.Nursery | None = None
         os.set_blocking(fd, False)
 
@@ -59,6 +61,10 @@ class Session:
             self._nursery = nursery
             nursery.start_soon(self._stop_when_done, nursery)
             self._spawn()
+
+    def summary(self) -> str:
+        """The requests served, by kind, most first."""
+        return ", ".join(f"{p.NAMES.get(op, op)} {n}" for op, n in self.counts.most_common())
 
     def terminate(self) -> None:
         self.done.set()
@@ -108,6 +114,7 @@ class Session:
     async def _serve(self, data: memoryview) -> None:
         (length, opcode, unique, nodeid, uid, gid, pid, extlen,
          _) = p.IN_HEADER.unpack_from(data)
+        self.counts[opcode] += 1
         body = data[p.IN_HEADER.size:length - extlen * 8]
         if opcode == p.FORGET:
             self._forget([(nodeid, p.FORGET_IN.unpack_from(body)[0])])
