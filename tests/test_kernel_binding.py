@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import file_digest, lake_tree
 
+from aifs.daemon import mount_type
 from aifs.fuse.kernel import protocol as p
 
 MiB = 1 << 20
@@ -152,3 +153,32 @@ def test_passthrough_off_serves_every_read_in_the_daemon(tmp_path, mounter) -> N
     assert (m.path / "f").read_bytes() == b"abc" * 1000
     s = stats(m.path)
     assert s["direct_opens"] == 0 and s["write_requests"] > 0 and s["read_requests"] > 0
+
+
+def test_fusermount3_mounts_and_hands_the_session_back(tmp_path) -> None:
+    # The path a user without root takes (fusermount3 mounts, the /dev/fuse fd
+    # comes back over a socket), taken here as root: the mount must appear and
+    # the fd must be its session (reading it yields the kernel's INIT).
+    from aifs.fuse.kernel import mount
+    point = tmp_path / "mnt"
+    point.mkdir()
+    fd = mount._mount_with_fusermount(str(point), {"default_permissions", "subtype=aifs",
+                                                   "fsname=test"})
+    try:
+        # (no stat of the mount here: it would wait for this process to answer)
+        assert mount_type(str(point)) == "fuse.aifs"
+        (length, opcode, *_rest) = p.IN_HEADER.unpack(os.read(fd, 1 << 20)[:p.IN_HEADER.size])
+        assert opcode == p.INIT
+    finally:
+        mount.unmount(str(point))
+        os.close(fd)
+    assert not os.path.ismount(point)
+
+
+def test_a_mount_option_the_kernel_does_not_take_is_refused_in_one_line(tmp_path, mounter,
+                                                                         ) -> None:
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    with pytest.raises(AssertionError) as info:
+        mounter(lake, "--fuse-binding", "kernel", "-o", "no_such_option")
+    assert "unknown mount option 'no_such_option'" in str(info.value)
