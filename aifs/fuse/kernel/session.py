@@ -34,6 +34,7 @@ MAX_WORKERS = 64
 MAX_WRITE = 1 << 20  # with MAX_PAGES 256: 1 MiB reads and writes
 BUFFER = MAX_WRITE + 4096  # header and a WRITE's fields, ahead of its bytes
 MAX_READAHEAD = 1 << 20
+STOP_GRACE = 10.0  # seconds requests being answered may take once the session stops
 
 
 class Session:
@@ -52,15 +53,18 @@ class Session:
         self.idle = 0
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
-        self._nursery: trio.Nursery | None = None
+        self._workers: trio.Nursery | None = None
+        self._waiting: trio.CancelScope | None = None  # the worker waiting on the fd
         os.set_blocking(fd, False)
 
     async def run(self) -> None:
         """Serve until the kernel ends the session (unmount) or :meth:`terminate`."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             nursery.start_soon(self._stop_when_done, nursery)
-            self._spawn()
+            async with trio.open_nursery() as workers:
+                self._workers = workers
+                self._spawn()
+            nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
     def summary(self) -> str:
         """The requests served, by kind, most first."""
@@ -70,14 +74,19 @@ class Session:
         self.done.set()
 
     async def _stop_when_done(self, nursery: trio.Nursery) -> None:
+        """Read no more requests; let those being answered finish (a create
+        cut in half would leave half a file), for a while."""
         await self.done.wait()
+        if self._waiting is not None:
+            self._waiting.cancel()
+        await trio.sleep(STOP_GRACE)
         nursery.cancel_scope.cancel()
 
     def _spawn(self) -> None:
-        assert self._nursery is not None
+        assert self._workers is not None
         self.workers += 1
         self.idle += 1
-        self._nursery.start_soon(self._worker)
+        self._workers.start_soon(self._worker)
 
     async def _worker(self) -> None:
         buf = bytearray(BUFFER)
@@ -97,11 +106,13 @@ class Session:
                 self.idle += 1
 
     async def _read(self, buf: bytearray) -> int | None:
-        while True:
+        while not self.done.is_set():
             try:
                 return os.readv(self.fd, [buf])
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.fd)
+                with trio.CancelScope() as self._waiting:
+                    await trio.lowlevel.wait_readable(self.fd)
+                self._waiting = None
             except InterruptedError:
                 continue
             except OSError as exc:
@@ -110,6 +121,7 @@ class Session:
                 if exc.errno != errno.ENODEV:  # ENODEV: unmounted
                     log.error("reading /dev/fuse: %s", exc)
                 return None
+        return None
 
     async def _serve(self, data: memoryview) -> None:
         (length, opcode, unique, nodeid, uid, gid, pid, extlen,
