@@ -182,3 +182,36 @@ def test_a_mount_option_the_kernel_does_not_take_is_refused_in_one_line(tmp_path
     with pytest.raises(AssertionError) as info:
         mounter(lake, "--fuse-binding", "kernel", "-o", "no_such_option")
     assert "unknown mount option 'no_such_option'" in str(info.value)
+
+
+def test_small_files_read_from_the_lake_go_direct_once_cached(lake, mounter) -> None:
+    # A dataset other tools wrote: the first epoch is served by the daemon (and
+    # fills the block cache); from the next open on, each file has a local copy
+    # and is read by the kernel alone. Bytes equal throughout; a writer that
+    # opens one of them while it is held direct works, and its bytes reach the lake.
+    files = {f"ds/s{i:03d}.jpg": os.urandom(1000 + 97 * i) for i in range(40)}
+    lake.put_many(files)
+    m = kernel_mount(lake, mounter)
+    for key, data in files.items():  # first epoch: from the lake
+        assert (m.path / key).read_bytes() == data
+    first = stats(m.path)
+    for key, data in files.items():  # second: a local copy each, direct
+        assert (m.path / key).read_bytes() == data
+    second = stats(m.path)
+    assert second["admitted"] - first["admitted"] == len(files)
+    for key, data in files.items():  # third: direct, no admission, no READ
+        assert (m.path / key).read_bytes() == data
+    third = stats(m.path)
+    assert third["admitted"] == second["admitted"]
+    assert third["read_requests"] == second["read_requests"]
+    assert third["direct_opens"] - second["direct_opens"] == len(files)
+    assert third["lake_gets"] == first["lake_gets"]
+    with open(m.path / "ds/s000.jpg", "rb") as reader:
+        with open(m.path / "ds/s000.jpg", "r+b") as writer:
+            writer.write(b"NEW")
+        assert reader.read(3) == b"NEW"
+    m.unmount()
+    assert lake.get("ds/s000.jpg") == b"NEW" + files["ds/s000.jpg"][3:]
+    again = kernel_mount(lake, mounter, name="again")
+    for key, data in list(files.items())[1:]:
+        assert (again.path / key).read_bytes() == data

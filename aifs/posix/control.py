@@ -289,7 +289,7 @@ class Control:
                 "write_requests": counters.write_requests,
                 "write_bytes": counters.write_bytes, "read_requests": counters.read_requests,
                 "read_bytes": counters.read_bytes, "local_reads": counters.local_reads,
-                "direct_opens": counters.direct_opens,
+                "direct_opens": counters.direct_opens, "admitted": counters.admitted,
                 "uploads": promoted.uploads,
                 "upload_bytes": promoted.upload_bytes, "deletes": promoted.deletes,
                 "metadata_updates": promoted.metadata_updates,

@@ -2,7 +2,9 @@
 file's local copy, past the daemon (FUSE passthrough, kernel binding).
 
 A handle may go direct only where the local copy is the whole file (written
-on this node, or fetched whole), and the kernel asks that every open of an
+on this node, or fetched whole); a small file whose bytes are all in the
+block cache is given such a copy when it is opened (:meth:`Direct._admit`).
+The kernel asks that every open of an
 inode be direct while one is, so the binding says whether the inode is
 direct already. A direct writer's bytes never pass through aifs: its local
 copy is marked dirty and unclosed at open (as a first write would), and what
@@ -19,19 +21,26 @@ from __future__ import annotations
 import logging
 import os
 
+import trio
+
 from aifs.config import Config
-from aifs.meta.store import Inode
-from aifs.posix.inodes import Inodes
+from aifs.meta.store import Inode, MetaStore
+from aifs.posix.inodes import Inodes, OpenFile
+from aifs.posix.reads import Reads
 from aifs.posix.writes import Writes
 
 log = logging.getLogger(__name__)
 
 DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
+ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
 
 
 class Direct:
-    def __init__(self, inodes: Inodes, config: Config, writes: Writes) -> None:
+    def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
+                 writes: Writes) -> None:
         self.inodes = inodes
+        self.meta = meta
+        self.reads = reads
         self.config = config
         self.writes = writes
         self.local = inodes.local
@@ -48,7 +57,8 @@ class Direct:
             return None
         ino = handle.ino
         if not self.local.has(ino):
-            return None
+            if inode_is_direct or handle.writable or not await self._admit(handle):
+                return None
         if not inode_is_direct:
             # (Once direct, an inode's later opens share its copy even where a
             # newer version came from another node: the kernel knows one
@@ -68,6 +78,30 @@ class Direct:
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
         return self.local.fd(ino)
+
+    async def _admit(self, handle: OpenFile) -> bool:
+        """A small file whose bytes are all in the block cache gets a clean
+        local copy of its own, so that this open and the next go direct (a
+        dataset's second epoch never reaches the daemon). Only what the cache
+        admitted: its policy (a scan larger than the cache keeps a stable
+        subset) decides what becomes a copy."""
+        version = handle.version
+        if not 0 < version.size <= ADMIT_MAX or not self.reads.cached_whole(version) \
+                or self.inodes.opens.get(handle.ino, 0) != 1:
+            return False
+        ino = handle.ino
+        data = await self.reads.whole(handle)
+        tmp = self.local.tmp_path(ino)
+        await trio.to_thread.run_sync(tmp.write_bytes, data, limiter=self.inodes.disk)
+        inode = self.meta.get(ino)
+        current = inode is not None and self.reads.version(inode) == version
+        if not current or self.local.has(ino) or len(data) != version.size:
+            tmp.unlink(missing_ok=True)  # changed meanwhile: not this copy
+            return self.local.has(ino) and current
+        self.local.adopt(ino, tmp)  # whole or not at all, even across a crash
+        self.local.mark_clean(ino)
+        self.inodes.counters.admitted += 1
+        return True
 
     def _may_write_direct(self, kill_setid: bool) -> bool:
         if kill_setid or self.config.streams_large_files():

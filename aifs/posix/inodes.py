@@ -71,6 +71,7 @@ class Counters:
     lookup_requests: int = 0
     disk_full: int = 0  # times the cache disk was found full
     direct_opens: int = 0  # handles whose reads and writes went past the daemon
+    admitted: int = 0  # cached files given a local copy to go direct
 
 
 def name_of(name: bytes) -> str:

@@ -58,6 +58,25 @@ class Reads:
             return None
         return ObjectVersion(version.source, "", size, version.policy, version.pinned)
 
+    def cached_whole(self, version: ObjectVersion) -> bool:
+        """Whether every byte of ``version`` is in the block cache (reading
+        it whole asks the lake nothing)."""
+        if version.size == 0:
+            return False
+        bs = self.block_size
+        if version.source:
+            whole = self.pack_version(version)
+            if whole is None:
+                return False
+            first, last = version.base // bs, (version.base + version.size - 1) // bs
+            return all(self.fetcher.cache.locate(whole, i) for i in range(first, last + 1))
+        return all(self.fetcher.cache.locate(version, i)
+                   for i in range((version.size - 1) // bs + 1))
+
+    async def whole(self, handle: OpenFile) -> bytes:
+        """All the bytes of the version ``handle`` reads (not counted as a read)."""
+        return bytes(await self._read(handle, 0, handle.version.size))
+
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self.inodes.files.get(fh)
         if handle is None:
