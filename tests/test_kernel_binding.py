@@ -215,3 +215,17 @@ def test_small_files_read_from_the_lake_go_direct_once_cached(lake, mounter) -> 
     again = kernel_mount(lake, mounter, name="again")
     for key, data in list(files.items())[1:]:
         assert (again.path / key).read_bytes() == data
+
+
+def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
+    # The kernel asks for directory pages of up to 1 MiB (MAX_PAGES): a page
+    # holds thousands of entries, more than one writev may carry in pieces.
+    from conftest import _make_lake
+    lake = _make_lake("local", None, tmp_path)
+    names = {f"d/n{i:05d}" for i in range(5000)}
+    lake.put_many({name: b"x" for name in names})
+    m = kernel_mount(lake, mounter)
+    assert sorted(os.listdir(m.path / "d")) == sorted(n[2:] for n in names)
+    with os.scandir(m.path / "d") as entries:  # readdirplus: attributes too
+        sizes = {entry.name: entry.stat().st_size for entry in entries}
+    assert len(sizes) == len(names) and set(sizes.values()) == {1}

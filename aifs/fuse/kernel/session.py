@@ -16,6 +16,7 @@ INIT is answered here: what the kernel offers and aifs wants (docs in
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -34,6 +35,7 @@ MAX_WORKERS = 64
 MAX_WRITE = 1 << 20  # with MAX_PAGES 256: 1 MiB reads and writes
 BUFFER = MAX_WRITE + 4096  # header and a WRITE's fields, ahead of its bytes
 MAX_READAHEAD = 1 << 20
+MAX_PARTS = 64  # pieces of a reply written as they are; more are joined first
 STOP_GRACE = 10.0  # seconds requests being answered may take once the session stops
 
 
@@ -164,13 +166,19 @@ class Session:
 
     def _reply(self, unique: int, error: int, body: Reply) -> None:
         parts = [] if error or body is None else body if isinstance(body, list) else [body]
+        if len(parts) > MAX_PARTS:  # a big directory page: writev takes 1,024 pieces at most
+            parts = [b"".join(parts)]
         length = p.OUT_HEADER.size + sum(len(part) for part in parts)
         try:
             os.writev(self.fd, [p.OUT_HEADER.pack(length, -error, unique), *parts])
         except OSError as exc:
             # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                log.error("answering request %d: %s", unique, exc)
+            if exc.errno in (errno.ENOENT, errno.ENODEV):
+                return
+            # The kernel refused the reply: answer EIO, or the caller waits for ever.
+            log.error("answering request %d: %s; answered EIO", unique, exc)
+            with contextlib.suppress(OSError):
+                os.write(self.fd, p.OUT_HEADER.pack(p.OUT_HEADER.size, -errno.EIO, unique))
 
     def notify(self, code: int, body: bytes) -> bool:
         """Tell the kernel something unasked (an invalidation); False if it
