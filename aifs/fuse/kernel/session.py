@@ -156,7 +156,11 @@ class Session:
         except Exception as exc:
             self._reply(unique, errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()), b"")
             return
-        self._reply(unique, 0, reply)
+        try:
+            self._reply(unique, 0, reply)
+        except Exception:  # a reply that cannot be encoded: the caller must not wait on
+            log.exception("encoding the reply to %s", p.NAMES.get(opcode, opcode))
+            self._reply(unique, errno.EIO, b"")
 
     def _forget(self, items: list[tuple[int, int]]) -> None:
         try:
