@@ -89,7 +89,8 @@ class Filesystem:
         self.listings = Listings(inodes, config, store, meta, self.packer, self.object_attrs)
         self.writes = Writes(inodes, config, meta, cache, self.fetcher, self.reads,
                              self.promoter)
-        self.direct = Direct(inodes, config, meta, self.reads, self.writes)
+        self.direct = Direct(inodes, config, meta, self.reads, self.writes,
+                             self.checkpoints)
         self.open_files = Files(inodes, config, meta, self.reads, self.writes, self.promoter,
                                 self.checkpoints, self.dir_prefetch)
         moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints)

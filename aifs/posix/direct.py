@@ -23,6 +23,7 @@ import os
 
 import trio
 
+from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.meta.store import Inode, MetaStore
 from aifs.posix.inodes import Inodes, OpenFile
@@ -37,8 +38,9 @@ ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go d
 
 class Direct:
     def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
-                 writes: Writes) -> None:
+                 writes: Writes, checkpoints: Checkpoints) -> None:
         self.inodes = inodes
+        self.checkpoints = checkpoints
         self.meta = meta
         self.reads = reads
         self.config = config
@@ -65,7 +67,7 @@ class Direct:
             # backing file per inode. SEMANTICS.md, "Passthrough".)
             if ino in inodes.stale_local or inodes.opens.get(ino, 0) != 1:
                 return None  # others hold it through the daemon: it stays so
-            if handle.writable and not self._may_write_direct(handle.kill_setid):
+            if handle.writable and not self._may_write_direct(handle.kill_setid, ino):
                 return None
         if handle.writable:
             await self.writes.make_local(ino)
@@ -103,8 +105,8 @@ class Direct:
         self.inodes.counters.admitted += 1
         return True
 
-    def _may_write_direct(self, kill_setid: bool) -> bool:
-        if kill_setid or self.config.streams_large_files():
+    def _may_write_direct(self, kill_setid: bool, ino: int) -> bool:
+        if kill_setid or self.checkpoints.streams(self.inodes.get(ino)):
             return False
         budget = self.config.cache_size - self.writes.cache.used - self.local.used
         try:
