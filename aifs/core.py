@@ -113,6 +113,7 @@ class Filesystem:
         self.dir_prefetch.start(nursery)
         self.listings.start(nursery)
         nursery.start_soon(self.promoter.run)
+        nursery.start_soon(self.direct.follow_growth)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self.inodes.save_dir_times_now_and_then)
         nursery.start_soon(self.metrics.run)

@@ -229,3 +229,37 @@ def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
     with os.scandir(m.path / "d") as entries:  # readdirplus: attributes too
         sizes = {entry.name: entry.stat().st_size for entry in entries}
     assert len(sizes) == len(names) and set(sizes.values()) == {1}
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_direct_writer_is_streamed_and_a_rewrite_after_a_part_is_caught(
+        lake, mounter, aifs_cli, rewrite) -> None:
+    # No WRITE reaches the daemon, yet the checkpoint's parts go up while it is
+    # written (its growth is followed). A rewrite of bytes already sent cannot
+    # be seen as it happens: the parts are checked against the copy before the
+    # upload completes, so the lake holds the bytes written last either way.
+    from conftest import lake_digest, lake_size, lake_upload_parts, wait_for
+    m = kernel_mount(lake, mounter, "--part-size", "5M", "--multipart-threshold", "5M")
+    (m.path / "ckpt").mkdir()
+    data = bytearray(os.urandom(16 * MiB + 321))
+    before = stats(m.path)
+    with open(m.path / "ckpt" / "model.pt", "wb", buffering=0) as fp:
+        for offset in range(0, 12 * MiB, MiB):
+            fp.write(data[offset:offset + MiB])
+        wait_for(lambda: lake_upload_parts(lake) >= 1, 20, "a part sent while open")
+        if rewrite:
+            patch = os.urandom(4096)
+            fp.seek(100)
+            fp.write(patch)
+            data[100:100 + len(patch)] = patch
+            fp.seek(12 * MiB)
+        fp.write(data[12 * MiB:])
+    after = stats(m.path)
+    assert after["direct_opens"] > before["direct_opens"]
+    assert after["write_requests"] == before["write_requests"]
+    result = aifs_cli("sync", str(m.path), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert lake_size(lake, "ckpt/model.pt") == len(data)
+    import xxhash
+    assert lake_digest(lake, "ckpt/model.pt") == xxhash.xxh3_128_hexdigest(bytes(data))
+    assert ("part 1 was rewritten after it was sent" in m.log_text()) == rewrite

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import trio
+import xxhash
 
 from aifs.errors import LakeError, lake_error_in
 from aifs.lake.base import ObjectInfo, ObjectStore
@@ -62,8 +63,11 @@ class Stream:
         self.completing = False  # finish() owns the upload now: nothing else aborts it
         self.upload_id = ""
         self.parts: list[tuple[int, str]] = []
+        #: part number -> (offset, length, xxh3 of what was sent)
+        self.sent_hashes: dict[int, tuple[int, int, int]] = {}
         self.finished = trio.Event()
         self._data = trio.Event()
+        self.followed = False  # written past the daemon: parts checked before completion
 
     def _wake(self) -> None:
         self._data.set()
@@ -105,6 +109,9 @@ class Streams:
         # ino -> (what settles its target, contiguous bytes written so far)
         self._candidates: dict[int, tuple[Callable[[int], StreamTarget | None], int]] = {}
         self._streams: dict[int, Stream] = {}
+        #: files written past the daemon (passthrough): their growth is all aifs
+        #: sees, so every part sent is checked against the copy before completion
+        self._followed: set[int] = set()
         self.started = 0
         self.completed = 0
         self.abandoned = 0
@@ -122,6 +129,10 @@ class Streams:
     def wrote(self, ino: int, offset: int, length: int) -> None:
         stream = self._streams.get(ino)
         if stream is not None:
+            if ino in self._followed and not stream.followed:
+                if stream.handed:  # parts went unhashed: they cannot be checked
+                    stream.break_("written past the daemon after parts were sent")
+                stream.followed = True
             stream.wrote(offset, length)
             return
         candidate = self._candidates.get(ino)
@@ -144,9 +155,17 @@ class Streams:
             log.debug("%s not streamed: %d files stream already", key, len(self._streams))
             return
         stream = self._streams[ino] = Stream(ino, key, path, metadata, end)
+        stream.followed = ino in self._followed
         self.started += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._run, stream)
+
+    def follow(self, ino: int, on: bool) -> None:
+        """``ino`` is (or no longer is) written where aifs sees only its growth."""
+        if on:
+            self._followed.add(ino)
+        else:
+            self._followed.discard(ino)
 
     def closed(self, ino: int, size: int, version: int) -> None:
         """The last writer closed ``ino`` at ``size`` bytes."""
@@ -175,6 +194,10 @@ class Streams:
         stream = self._streams.get(ino)
         return stream.sent if stream is not None and not stream.broken else 0
 
+    def wants(self, ino: int) -> bool:
+        """Whether ``ino``'s growth is wanted: it streams, or may start to."""
+        return ino in self._streams or ino in self._candidates
+
     def active(self, ino: int) -> bool:
         return ino in self._streams
 
@@ -191,6 +214,8 @@ class Streams:
             stream.break_("changed after it was written")
         try:
             await stream.finished.wait()
+            if not stream.broken and stream.followed:
+                await self._verify(stream)
             if stream.broken:
                 await self._abort(stream)  # if it broke after its last part
                 return None
@@ -208,6 +233,20 @@ class Streams:
         finally:
             if self._streams.get(ino) is stream:
                 del self._streams[ino]
+
+    async def _verify(self, stream: Stream) -> None:
+        """Every part sent still holds the copy's bytes (a writer past the
+        daemon may have rewritten one after it was sent): else the stream is
+        broken and the file is uploaded whole."""
+        def check() -> str:
+            with open(stream.path, "rb", buffering=0) as fp:
+                for number, (offset, length, digest) in sorted(stream.sent_hashes.items()):
+                    if xxhash.xxh3_64_intdigest(os.pread(fp.fileno(), length, offset)) != digest:
+                        return f"part {number} was rewritten after it was sent"
+            return ""
+        why = await trio.to_thread.run_sync(check)
+        if why:
+            stream.break_(why)
 
     # -- the upload itself ------------------------------------------------------------
     async def _run(self, stream: Stream) -> None:
@@ -273,6 +312,10 @@ class Streams:
             if len(data) != length:
                 stream.break_("local copy shrank")
                 return
+            if stream.followed:
+                stream.sent_hashes[number] = (offset, length,
+                                              await trio.to_thread.run_sync(
+                                                  xxhash.xxh3_64_intdigest, data))
             etag = await self.store.upload_part(stream.key, stream.upload_id, number, data)
             stream.parts.append((number, etag))
             stream.sent += length

@@ -10,10 +10,13 @@ direct already. A direct writer's bytes never pass through aifs: its local
 copy is marked dirty and unclosed at open (as a first write would), and what
 the kernel wrote is taken from the copy itself (:meth:`Direct.absorb`, at
 getattr, flush, fsync and release): its size, and its mtime when it moved.
-A writer does not go direct where the cache disk is short of room (a full
-disk must make it wait for promotion, not fail: ``posix.writes``), where it
-must clear set-user-ID, or where its file would be streamed to the lake as
-it is written (streaming follows WRITE requests; a direct writer sends none).
+A file that streams to the lake as it is written (``flush/stream.py``) is
+followed by its growth, looked at every :data:`FOLLOW_INTERVAL`; as that
+cannot see a rewrite of bytes already sent, each part is checked against the
+copy before the upload completes (else the file is uploaded whole). A writer
+does not go direct where the cache disk is short of room (a full disk must
+make it wait for promotion, not fail: ``posix.writes``) or where it must
+clear set-user-ID.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from aifs.posix.writes import Writes
 log = logging.getLogger(__name__)
 
 DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
+FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed file
 ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
 
 
@@ -49,6 +53,8 @@ class Direct:
         #: inode -> (size, mtime_ns) of its copy when last absorbed, while direct writers last
         self.seen: dict[int, tuple[int, int]] = {}
         self.writers: dict[int, int] = {}
+        self.streams = writes.promoter.streams
+        self._writing = trio.Event()  # set when a direct writer opens
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -67,13 +73,14 @@ class Direct:
             # backing file per inode. SEMANTICS.md, "Passthrough".)
             if ino in inodes.stale_local or inodes.opens.get(ino, 0) != 1:
                 return None  # others hold it through the daemon: it stays so
-            if handle.writable and not self._may_write_direct(handle.kill_setid, ino):
+            if handle.writable and not self._may_write_direct(handle.kill_setid):
                 return None
         if handle.writable:
             await self.writes.make_local(ino)
             inodes.mark_unclosed(ino)
-            self.writes.promoter.streams.cancel(ino, "written directly (passthrough)")
+            self.streams.follow(ino, True)
             self.writers[ino] = self.writers.get(ino, 0) + 1
+            self._writing.set()
             if ino not in self.seen:
                 self.seen[ino] = self._stat(ino)
         inodes.counters.direct_opens += 1
@@ -105,8 +112,8 @@ class Direct:
         self.inodes.counters.admitted += 1
         return True
 
-    def _may_write_direct(self, kill_setid: bool, ino: int) -> bool:
-        if kill_setid or self.checkpoints.streams(self.inodes.get(ino)):
+    def _may_write_direct(self, kill_setid: bool) -> bool:
+        if kill_setid:
             return False
         budget = self.config.cache_size - self.writes.cache.used - self.local.used
         try:
@@ -128,6 +135,10 @@ class Direct:
         if now == seen:
             return
         self.seen[ino] = now
+        if now[0] > seen[0]:  # grown: what a front-to-back writer streams
+            self.streams.wrote(ino, seen[0], now[0] - seen[0])
+        elif now[0] < seen[0]:
+            self.streams.cancel(ino, "shrank")
         log.debug("inode %d written directly: %d bytes", ino, now[0])
         inodes = self.inodes
         old = inodes.written.get(ino)
@@ -168,3 +179,16 @@ class Direct:
         else:
             del self.writers[ino]
             self.seen.pop(ino, None)
+            self.streams.follow(ino, False)
+
+    async def follow_growth(self) -> None:
+        """While direct writers write files that stream (or may), take their
+        growth every :data:`FOLLOW_INTERVAL`, so parts go up as they are written."""
+        while True:
+            if not self.writers:
+                self._writing = trio.Event()
+                await self._writing.wait()
+            for ino in [ino for ino in self.writers if self.streams.wants(ino)]:
+                if ino in self.writers:
+                    self.absorb(ino)
+            await trio.sleep(FOLLOW_INTERVAL)
