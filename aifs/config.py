@@ -112,7 +112,7 @@ class Config:
     direct_writes: bool = _option(True, "Pass writes of write-only handles to the daemon "
                                   "past the kernel's page cache (FUSE direct I/O): faster, "
                                   "and written data is cached once, not twice.", "bool")
-    fuse_binding: str = _option("pyfuse3", "How aifs speaks FUSE: 'kernel' (its own session "
+    fuse_binding: str = _option("auto", "How aifs speaks FUSE: 'kernel' (its own session "
                                 "on /dev/fuse: 1 MiB requests, readdirplus, passthrough), "
                                 "'pyfuse3' (libfuse 3), or 'auto' (kernel where it mounts, "
                                 "else pyfuse3).")
