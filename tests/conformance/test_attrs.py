@@ -4,6 +4,7 @@ on tmpfs; results and errno must match."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -119,4 +120,24 @@ def test_ctime_moves_on_chmod_and_write(sides):
         os.chmod(root / "f", 0o600)
         after = os.stat(root / "f").st_ctime_ns
         return after > before
+    both(sides, case)
+
+
+def test_xattr_create_and_replace_flags(sides):
+    def case(root: Path):
+        f = root / "xf"
+        f.write_bytes(b"")
+        out = []
+        for name, value, flags in (("user.a", b"1", os.XATTR_CREATE),
+                                   ("user.a", b"2", os.XATTR_CREATE),
+                                   ("user.a", b"3", os.XATTR_REPLACE),
+                                   ("user.b", b"4", os.XATTR_REPLACE),
+                                   ("user.b", b"5", 0)):
+            try:
+                os.setxattr(f, name, value, flags)
+                out.append("ok")
+            except OSError as exc:
+                out.append(errno.errorcode[exc.errno])
+        out.append(sorted((n, os.getxattr(f, n)) for n in os.listxattr(f)))
+        return out
     both(sides, case)

@@ -296,8 +296,22 @@ class Operations:
         return _sized(b"".join(name + b"\0" for name in names), size)
 
     async def setxattr(self, req: Request, body: memoryview) -> Reply:
-        size, _flags = p.SETXATTR_IN.unpack_from(body)
+        size, flags = p.SETXATTR_IN.unpack_from(body)
         name, end = p.cstring(body, p.SETXATTR_IN.size)
+        if flags & ~(os.XATTR_CREATE | os.XATTR_REPLACE):
+            raise FsError(errno.EINVAL)
+        if flags:  # CREATE: must not exist yet; REPLACE: must exist (as libfuse checks)
+            try:
+                await self.fs.getxattr(req.nodeid, name)
+                exists = True
+            except FsError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+                exists = False
+            if flags & os.XATTR_CREATE and exists:
+                raise FsError(errno.EEXIST)
+            if flags & os.XATTR_REPLACE and not exists:
+                raise FsError(errno.ENODATA)
         self.fs.setxattr(req.nodeid, name, bytes(body[end:end + size]))
         return b""
 
