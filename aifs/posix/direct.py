@@ -145,6 +145,8 @@ class Direct:
         size = now[0]
         mtime = now[1] if old is None or now[1] != seen[1] else old[1]
         inodes.written[ino] = (size, mtime)
+        if ino not in inodes.marked_dirty:  # promoted since it was opened: dirty again
+            self.writes.mark_dirty(ino)
         inodes.unsaved.add(ino)
         inodes.changed(ino)
         inodes.kernel_etag.pop(ino, None)  # the mount's own cached pages are stale

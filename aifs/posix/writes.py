@@ -189,12 +189,16 @@ class Writes:
                 inodes.written.setdefault(ino, (inode.size, inode.mtime_ns))
                 if self._materializing.get(ino) is lock and not lock.statistics().tasks_waiting:
                     del self._materializing[ino]
+        self.mark_dirty(ino)
+        return inodes.written[ino]
+
+    def mark_dirty(self, ino: int) -> None:
+        """The local copy of ``ino`` holds changes the lake lacks (pending DATA)."""
         inode = self.meta.get(ino)
         if inode is not None and not inode.pending & DATA:
             self.meta.update(ino, pending=inode.pending | DATA, ctime=self.inodes.clock())
             self.local.mark_dirty(ino)
-        inodes.marked_dirty.add(ino)
-        return inodes.written[ino]
+        self.inodes.marked_dirty.add(ino)
 
     async def _materialize(self, inode: Inode, size: int | None = None) -> None:
         """Fetch the first ``size`` bytes (default all) of the lake object into a local copy."""
