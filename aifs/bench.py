@@ -192,7 +192,7 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         for rep in range(runs):
             order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
-                root = roots[side] / f"run{rep}"
+                root = roots[side] / f"{side}-run{rep}"  # one lake: names of their own
                 root.mkdir()
                 big = root / "big.bin"
                 got = times.setdefault(side, {})
