@@ -236,6 +236,9 @@ class Filesystem:
     async def setattr(self, ino: int, changes: SetAttributes, fh: int | None = None) -> Inode:
         return await self.writes.setattr(ino, changes)
 
+    def kill_setid(self, ino: int) -> None:
+        self.writes.kill_setid(ino)
+
     async def flush(self, fh: int) -> None:
         await self.open_files.flush(fh)
 

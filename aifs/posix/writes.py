@@ -69,7 +69,7 @@ class Writes:
         ino = handle.ino
         if handle.kill_setid:
             handle.kill_setid = False
-            self._kill_setid(ino)
+            self.kill_setid(ino)
         size, _ = await self.make_local(ino)
         end = offset + len(data)
         try:
@@ -124,7 +124,9 @@ class Writes:
             inodes.schedule(ino)
         return inodes.get(ino)
 
-    def _kill_setid(self, ino: int) -> None:
+    def kill_setid(self, ino: int) -> None:
+        """Clear set-user-ID (and set-group-ID with group execute), as Linux does
+        after a write or truncate by a user without CAP_FSETID."""
         inode = self.meta.get(ino)
         if inode is None or inode.mode < 0:
             return

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aifs.core import Filesystem, SetAttributes
+from aifs.core import Attributes, Filesystem, SetAttributes
 from aifs.errors import FsError
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel.passthrough import Passthrough
@@ -65,27 +65,30 @@ class Operations:
         }
 
     # -- encoding -------------------------------------------------------------------
-    def attr(self, inode: Inode) -> bytes:
-        a = self.fs.attributes(self.fs.absorbed(inode))
+    def attributes(self, inode: Inode) -> Attributes:
+        return self.fs.attributes(self.fs.absorbed(inode))
+
+    def attr(self, a: Attributes) -> bytes:
         return p.ATTR.pack(a.ino, a.size, (a.size + 511) // 512,
                            a.atime_ns // 10**9, a.mtime_ns // 10**9, a.ctime_ns // 10**9,
                            a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
                            a.mode, a.nlink, a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev,
                            self.blksize, 0)
 
-    def entry(self, inode: Inode) -> bytes:
-        seconds, nanos = self.ttl
+    def timeout(self, inode: Inode) -> tuple[int, int]:
         if self.fs.object_attrs.unknown(inode):
             # Ask again: a lookup reads the object's own attributes (and type) first.
-            seconds = nanos = 0
+            return 0, 0
+        return self.ttl
+
+    def entry(self, inode: Inode, a: Attributes | None = None) -> bytes:
+        seconds, nanos = self.timeout(inode)
         return p.ENTRY_HEAD.pack(inode.ino, 0, seconds, seconds, nanos, nanos) + \
-            self.attr(inode)
+            self.attr(a or self.attributes(inode))
 
     def attr_out(self, inode: Inode) -> bytes:
-        seconds, nanos = self.ttl
-        if self.fs.object_attrs.unknown(inode):
-            seconds = nanos = 0
-        return p.ATTR_OUT_HEAD.pack(seconds, nanos, 0) + self.attr(inode)
+        seconds, nanos = self.timeout(inode)
+        return p.ATTR_OUT_HEAD.pack(seconds, nanos, 0) + self.attr(self.attributes(inode))
 
     # -- names and attributes -------------------------------------------------------
     async def lookup(self, req: Request, body: memoryview) -> Reply:
@@ -97,7 +100,6 @@ class Operations:
         return self.entry(inode)
 
     async def getattr(self, req: Request, body: memoryview) -> Reply:
-        self.fs.absorb(req.nodeid)
         return self.attr_out(await self.fs.getattr(req.nodeid))
 
     async def setattr(self, req: Request, body: memoryview) -> Reply:
@@ -106,10 +108,7 @@ class Operations:
         now = time.time_ns()
         self.fs.absorb(req.nodeid)
         if valid & p.FATTR_KILL_SUIDGID and not valid & p.FATTR_MODE:
-            current = self.fs.attributes(await self.fs.getattr(req.nodeid)).mode
-            if current & (stat.S_ISUID | stat.S_ISGID):
-                valid |= p.FATTR_MODE
-                mode = _without_setid(current)
+            self.fs.kill_setid(req.nodeid)  # a truncate by an unprivileged user
         changes = SetAttributes(
             mode=mode if valid & p.FATTR_MODE else None,
             uid=uid if valid & p.FATTR_UID else None,
@@ -176,8 +175,8 @@ class Operations:
     async def open(self, req: Request, body: memoryview) -> Reply:
         flags, open_flags = p.OPEN_IN.unpack_from(body)
         fh, keep_cache = await self.fs.open(req.nodeid, flags, req.uid)
-        if open_flags & p.OPEN_KILL_SUIDGID:
-            await self._kill_setid(req.nodeid)
+        if open_flags & p.OPEN_KILL_SUIDGID:  # O_TRUNC by an unprivileged user
+            self.fs.kill_setid(req.nodeid)
         return await self._opened(req.nodeid, fh, flags, keep_cache)
 
     async def create(self, req: Request, body: memoryview) -> Reply:
@@ -201,12 +200,6 @@ class Operations:
         if self.fs.writes_direct(flags):
             open_flags |= p.FOPEN_DIRECT_IO
         return p.OPEN_OUT.pack(fh, open_flags, 0)
-
-    async def _kill_setid(self, ino: int) -> None:
-        mode = self.fs.attributes(await self.fs.getattr(ino)).mode
-        if mode & (stat.S_ISUID | stat.S_ISGID) != _without_setid(mode) & (
-                stat.S_ISUID | stat.S_ISGID):
-            await self.fs.setattr(ino, SetAttributes(mode=_without_setid(mode)))
 
     async def read(self, req: Request, body: memoryview) -> Reply:
         fh, offset, size, *_ = p.READ_IN.unpack_from(body)
@@ -259,13 +252,13 @@ class Operations:
             if not batch:
                 return out
             for next_cookie, name, inode in batch:
-                a = self.fs.attributes(inode)
+                a = self.attributes(inode)
                 record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
                 if plus:
                     dot = name in (b".", b"..")
                     # the kernel takes no reference to . and .., nor to nodeid 0
                     record = (bytes(p.ENTRY_HEAD.size + p.ATTR.size) if dot
-                              else self.entry(inode)) + record
+                              else self.entry(inode, a)) + record
                 if len(record) > room:
                     return out
                 out.append(record)
@@ -330,13 +323,4 @@ def _sized(value: bytes, size: int) -> bytes:
     if len(value) > size:
         raise FsError(errno.ERANGE)
     return value
-
-
-def _without_setid(mode: int) -> int:
-    """``mode`` as Linux leaves it after a write or truncate by an unprivileged
-    user: set-user-ID cleared, set-group-ID too if group-executable."""
-    mode &= ~stat.S_ISUID
-    if mode & stat.S_IXGRP:
-        mode &= ~stat.S_ISGID
-    return mode
 
