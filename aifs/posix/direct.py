@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import trio
 
@@ -40,6 +41,14 @@ FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed fi
 ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
 
 
+@dataclass
+class Writing:
+    """An inode direct writers hold."""
+
+    seen: tuple[int, int]  # (size, mtime_ns) of its copy when last absorbed
+    handles: int = 0
+
+
 class Direct:
     def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
                  writes: Writes, checkpoints: Checkpoints) -> None:
@@ -50,9 +59,7 @@ class Direct:
         self.config = config
         self.writes = writes
         self.local = inodes.local
-        #: inode -> (size, mtime_ns) of its copy when last absorbed, while direct writers last
-        self.seen: dict[int, tuple[int, int]] = {}
-        self.writers: dict[int, int] = {}
+        self.writers: dict[int, Writing] = {}  # inodes that direct writers hold
         self.streams = writes.promoter.streams
         self._writing = trio.Event()  # set when a direct writer opens
 
@@ -79,10 +86,11 @@ class Direct:
             await self.writes.make_local(ino)
             inodes.mark_unclosed(ino)
             self.streams.follow(ino, True)
-            self.writers[ino] = self.writers.get(ino, 0) + 1
+            writing = self.writers.get(ino)
+            if writing is None:
+                writing = self.writers[ino] = Writing(self._stat(ino))
+            writing.handles += 1
             self._writing.set()
-            if ino not in self.seen:
-                self.seen[ino] = self._stat(ino)
         inodes.counters.direct_opens += 1
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
@@ -128,13 +136,13 @@ class Direct:
 
     def absorb(self, ino: int) -> None:
         """Take what direct writers wrote to ``ino``'s copy since last asked."""
-        seen = self.seen.get(ino)
-        if seen is None or not self.local.has(ino):
+        writing = self.writers.get(ino)
+        if writing is None or not self.local.has(ino):
             return
-        now = self._stat(ino)
+        now, seen = self._stat(ino), writing.seen
         if now == seen:
             return
-        self.seen[ino] = now
+        writing.seen = now
         if now[0] > seen[0]:  # grown: what a front-to-back writer streams
             self.streams.wrote(ino, seen[0], now[0] - seen[0])
         elif now[0] < seen[0]:
@@ -157,15 +165,16 @@ class Direct:
     def absorbed(self, inode: Inode) -> Inode:
         """``inode`` with what direct writers wrote (every reply that carries
         attributes must: the kernel takes the size of the last one)."""
-        if inode.ino in self.seen:
+        if inode.ino in self.writers:
             self.absorb(inode.ino)
             return self.inodes.with_written(inode)
         return inode
 
     def rebase(self, ino: int) -> None:
         """aifs itself changed the copy (truncate, times): not a direct write."""
-        if ino in self.seen and self.local.has(ino):
-            self.seen[ino] = self._stat(ino)
+        writing = self.writers.get(ino)
+        if writing is not None and self.local.has(ino):
+            writing.seen = self._stat(ino)
 
     def released(self, fh: int) -> None:
         """Before the core releases ``fh``: the last direct writer takes its
@@ -175,12 +184,10 @@ class Direct:
             return
         ino = handle.ino
         self.absorb(ino)
-        left = self.writers[ino] - 1
-        if left:
-            self.writers[ino] = left
-        else:
+        writing = self.writers[ino]
+        writing.handles -= 1
+        if not writing.handles:
             del self.writers[ino]
-            self.seen.pop(ino, None)
             self.streams.follow(ino, False)
 
     async def follow_growth(self) -> None:

@@ -68,7 +68,7 @@ def mount(mountpoint: str, options: set[str]) -> int:
         return _mount_with_fusermount(mountpoint, options)
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     st = os.stat(mountpoint)
-    data = [f"fd={fd}", f"rootmode={stat.S_IFMT(st.st_mode) | 0o000:o}",
+    data = [f"fd={fd}", f"rootmode={stat.S_IFMT(st.st_mode):o}",
             f"user_id={os.getuid()}", f"group_id={os.getgid()}", *data]
     result = _libc.mount(source.encode(), mountpoint.encode(), f"fuse.{subtype}".encode(),
                          flags, ",".join(data).encode())

@@ -28,10 +28,6 @@ class Passthrough:
         self.enabled = False  # set once INIT settled passthrough
         self.ids: dict[int, list[int]] = {}  # ino -> [backing id, direct handles]
         self.handles: dict[int, int] = {}  # direct fh -> ino
-        self.opened = 0  # direct opens, for tests and metrics
-
-    def is_direct(self, ino: int) -> bool:
-        return ino in self.ids
 
     async def backing_for(self, ino: int, fh: int) -> int:
         """The backing id an open of ``ino`` as ``fh`` replies with, or 0."""
@@ -56,7 +52,6 @@ class Passthrough:
             entry = self.ids[ino] = [backing, 0]
         entry[1] += 1
         self.handles[fh] = ino
-        self.opened += 1
         return entry[0]
 
     def released(self, fh: int) -> None:

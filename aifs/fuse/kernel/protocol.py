@@ -28,9 +28,6 @@ NAMES = {value: name for name, value in globals().items()
          if name.isupper() and isinstance(value, int) and 0 < value < 64
          and name not in ("KERNEL_VERSION", "KERNEL_MINOR", "ROOT_ID")}
 
-# -- notifications (the daemon writes these unasked: unique 0, error = code) ----------
-NOTIFY_INVAL_INODE, NOTIFY_INVAL_ENTRY, NOTIFY_DELETE = 2, 3, 6
-
 # -- INIT flags (flags | flags2 << 32) ------------------------------------------------
 ASYNC_READ = 1 << 0
 ATOMIC_O_TRUNC = 1 << 3
@@ -53,7 +50,6 @@ FOPEN_NOFLUSH = 1 << 5
 FOPEN_PASSTHROUGH = 1 << 7
 
 OPEN_KILL_SUIDGID = 1 << 0  # fuse_open_in.open_flags
-WRITE_KILL_SUIDGID = 1 << 2  # fuse_write_in.write_flags
 FSYNC_FDATASYNC = 1 << 0
 
 # -- setattr valid bits ---------------------------------------------------------------
@@ -97,12 +93,7 @@ GETXATTR_OUT = struct.Struct("<II")
 FORGET_IN = struct.Struct("<Q")
 BATCH_FORGET_IN = struct.Struct("<II")
 FORGET_ONE = struct.Struct("<QQ")
-INTERRUPT_IN = struct.Struct("<Q")
 DIRENT_HEAD = struct.Struct("<QQII")  # ino off namelen type
-LSEEK_IN = struct.Struct("<QQII")  # fh offset whence padding
-LSEEK_OUT = struct.Struct("<Q")
-INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent namelen flags
-INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino off len
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding
 
 

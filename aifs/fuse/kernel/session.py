@@ -49,7 +49,6 @@ class Session:
         self.passthrough = passthrough
         self.max_background = max_background
         self.want_passthrough = want_passthrough
-        self.proto_minor = 0
         self.lock = trio.Lock()
         self.workers = 0
         self.idle = 0
@@ -184,16 +183,6 @@ class Session:
             with contextlib.suppress(OSError):
                 os.write(self.fd, p.OUT_HEADER.pack(p.OUT_HEADER.size, -errno.EIO, unique))
 
-    def notify(self, code: int, body: bytes) -> bool:
-        """Tell the kernel something unasked (an invalidation); False if it
-        could not be told (it does not know the entry: nothing to drop)."""
-        try:
-            os.writev(self.fd, [p.OUT_HEADER.pack(p.OUT_HEADER.size + len(body), code, 0),
-                                body])
-            return True
-        except OSError:
-            return False
-
     def _init(self, body: memoryview) -> bytes:
         major, minor, _readahead, flags = p.INIT_IN.unpack_from(body)
         if major != p.KERNEL_VERSION:
@@ -207,9 +196,8 @@ class Session:
             want |= p.PASSTHROUGH
         chosen = flags & want
         self.passthrough.enabled = bool(chosen & p.PASSTHROUGH)
-        self.proto_minor = min(minor, p.KERNEL_MINOR)
         log.info("FUSE protocol 7.%d; kernel offered %#x, using %#x", minor, flags, chosen)
         return p.INIT_OUT.pack(
-            p.KERNEL_VERSION, self.proto_minor, MAX_READAHEAD, chosen & 0xFFFFFFFF,
+            p.KERNEL_VERSION, min(minor, p.KERNEL_MINOR), MAX_READAHEAD, chosen & 0xFFFFFFFF,
             self.max_background, self.max_background * 3 // 4, MAX_WRITE, 1,
             MAX_WRITE // 4096, 0, chosen >> 32, 1 if self.passthrough.enabled else 0)
