@@ -182,15 +182,16 @@ class Writes:
         inodes = self.inodes
         if ino in inodes.marked_dirty and ino in inodes.written and self.local.has(ino):
             return inodes.written[ino]  # the common case: no metadata transaction
-        if ino not in inodes.written or not self.local.has(ino):
+        if not self.local.has(ino):  # (a copy appears whole: fetched aside, then renamed)
             lock = self._materializing.setdefault(ino, trio.Lock())
             async with lock:
-                inode = inodes.get(ino)
                 if not self.local.has(ino):
-                    await self._materialize(inode, needed)
-                inodes.written.setdefault(ino, (inode.size, inode.mtime_ns))
+                    await self._materialize(inodes.get(ino), needed)
                 if self._materializing.get(ino) is lock and not lock.statistics().tasks_waiting:
                     del self._materializing[ino]
+        if ino not in inodes.written:  # no lock taken when nothing is fetched: no task switch
+            inode = inodes.get(ino)
+            inodes.written[ino] = (inode.size, inode.mtime_ns)
         self.mark_dirty(ino)
         return inodes.written[ino]
 
