@@ -120,6 +120,11 @@ class Config:
                                 "whose whole content is on the local disk go from the kernel "
                                 "straight to it (FUSE passthrough; needs root on the host "
                                 "and Linux 6.9+; else served by the daemon).", "bool")
+    fuse_poll_us: int = _option(50, "With the kernel binding: microseconds the daemon "
+                                "keeps polling for the next request after answering one, "
+                                "while requests come that close together, before it "
+                                "sleeps (a woken CPU costs more than the poll); 0: never.",
+                                "int")
     dir_prefetch: bool = _option(False, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch), many "
                                  "GETs at once: for a lake far away (tens of ms per GET). "
@@ -233,6 +238,8 @@ class Config:
         if self.promote_delay < 0 or self.promote_workers < 1 or self.parts_in_flight < 1:
             raise ConfigError("promote_delay must not be negative; promote_workers and "
                               "parts_in_flight must be at least 1")
+        if not 0 <= self.fuse_poll_us <= 10_000:
+            raise ConfigError("fuse_poll_us must be between 0 and 10000")
         if self.fuse_binding not in ("auto", "kernel", "pyfuse3"):
             raise ConfigError("fuse_binding must be 'auto', 'kernel' or 'pyfuse3', not "
                               f"{self.fuse_binding!r}")

@@ -13,6 +13,10 @@ fault, drawn with probability ``rate``:
   then a reset): a truncated GET body.
 
 Counts of each fault are kept in ``faults``. Only 127.0.0.1.
+
+``replies`` (an Event, set) lets the server's replies through; cleared, they
+are held (``held`` counts those waiting) until it is set again: a lake that
+does not answer yet.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class FaultProxy:
         self.port = self.listener.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.enabled = True
+        self.replies = threading.Event()
+        self.replies.set()
+        self.held = 0
         self._stop = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -115,6 +122,10 @@ class FaultProxy:
                     if not data:
                         return
                     phase = "reply"
+                    if not self.replies.is_set():
+                        with self.lock:
+                            self.held += 1
+                        self.replies.wait(60)
                     if fault == "after":
                         _reset(client)
                         return

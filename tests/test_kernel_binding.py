@@ -11,10 +11,14 @@ import json
 import mmap
 import os
 import struct
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import file_digest, lake_tree
+from conftest import Lake, file_digest, lake_tree
+from faultproxy import FaultProxy
 
 from aifs.daemon import mount_type
 from aifs.fuse.kernel import protocol as p
@@ -263,3 +267,50 @@ def test_a_direct_writer_is_streamed_and_a_rewrite_after_a_part_is_caught(
     import xxhash
     assert lake_digest(lake, "ckpt/model.pt") == xxhash.xxh3_128_hexdigest(bytes(data))
     assert ("part 1 was rewritten after it was sent" in m.log_text()) == rewrite
+
+
+def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -> None:
+    """A read whose bytes the lake has not sent yet waits alone: creates,
+    reads and listings of other files are answered meanwhile (the reader
+    hands its role on when a handler waits), and the read ends right."""
+    bucket = f"aifs-wait-{uuid.uuid4().hex[:12]}"
+    moto_server.client.create_bucket(Bucket=bucket)
+    proxy = FaultProxy(int(moto_server.endpoint.rsplit(":", 1)[1]), 0.0, 1)
+    lake = Lake("moto", f"s3://{bucket}/data", moto_server.env,
+                ["--endpoint-url", proxy.endpoint], server=moto_server, bucket=bucket,
+                prefix="data/")
+    data = os.urandom(3 * MiB)
+    lake.put("slow/big.bin", data)
+    try:
+        m = kernel_mount(lake, mounter)
+        assert os.listdir(m.path / "slow") == ["big.bin"]  # listed before the lake stalls
+        proxy.replies.clear()
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append((m.path / "slow/big.bin")
+                                                            .read_bytes()))
+        reader.start()
+        deadline = time.monotonic() + 30
+        while proxy.held == 0:  # the GET reached the lake, its reply is held
+            assert time.monotonic() < deadline, "the read never reached the lake"
+            time.sleep(0.01)
+        fast: list[object] = []
+
+        def others() -> None:
+            (m.path / "fast").mkdir()
+            for i in range(20):
+                (m.path / "fast" / f"f{i}").write_bytes(b"%d" % i)
+            fast.append(sorted(os.listdir(m.path / "fast")))
+            fast.append([(m.path / "fast" / f"f{i}").read_bytes() for i in range(20)])
+
+        worker = threading.Thread(target=others)
+        worker.start()
+        worker.join(30)  # (a daemon that waited with the read answers none of it)
+        assert not worker.is_alive(), "other requests waited for the lake's reply"
+        assert fast == [sorted(f"f{i}" for i in range(20)), [b"%d" % i for i in range(20)]]
+        assert reader.is_alive() and not got  # all that while, the read waited
+        proxy.replies.set()
+        reader.join(60)
+        assert got == [data]
+    finally:
+        proxy.replies.set()
+        proxy.close()

@@ -113,7 +113,7 @@ class LocalFiles:
         if fd is not None:
             self._fds.move_to_end(ino)
             return fd
-        fd = os.open(self.path(ino), os.O_RDWR)
+        fd = os.open(f"{self.root}/{ino}", os.O_RDWR)  # (a str: no Path built per open)
         self._fds[ino] = fd
         self._close_extra()
         return fd

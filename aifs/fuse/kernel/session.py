@@ -1,16 +1,20 @@
 """A FUSE session on ``/dev/fuse``, served under trio without libfuse.
 
-Workers take turns reading the device (one waits on it at a time; a read
-returns one whole request), answer the request, and read again. When every
-worker is busy (a request waiting on the lake), another is started, up to
-:data:`MAX_WORKERS`; so a slow request never holds up the others, and a
-quiet mount costs one task. Each worker reads into a buffer of its own,
-which the request's handler may use until it replies (a WRITE's bytes reach
-the local copy without a copy of their own).
+One worker at a time is the *reader*: it reads a request (a read returns one
+whole request) and answers it at once, without a trip through trio's
+scheduler, as long as the answer needs nothing to wait on (most requests:
+LMDB and local files only). When a handler has to wait (the lake, a lock),
+the reader hands the role to an idle worker, or starts one, up to
+:data:`MAX_WORKERS`, and finishes that request as an ordinary trio task; so a
+slow request never holds up the others, and a quiet mount costs one task.
+Each worker reads into a buffer of its own, which the request's handler may
+use until it replies (a WRITE's bytes reach the local copy without a copy of
+their own). Measured why (``docs/kernel-binding.md``): a ``trio.Lock`` taken
+per request and a scheduler pass per answer cost more than most handlers.
 
-INIT is answered here: what the kernel offers and aifs wants (docs in
-``docs/kernel-binding.md``). FORGET and BATCH_FORGET are answered inline
-(no reply), INTERRUPT is let go: every request aifs serves ends by itself.
+INIT is answered here: what the kernel offers and aifs wants. FORGET and
+BATCH_FORGET are answered inline (no reply), INTERRUPT is let go: every
+request aifs serves ends by itself.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
 
 import trio
 
@@ -36,26 +42,29 @@ MAX_WRITE = 1 << 20  # with MAX_PAGES 256: 1 MiB reads and writes
 BUFFER = MAX_WRITE + 4096  # header and a WRITE's fields, ahead of its bytes
 MAX_READAHEAD = 1 << 20
 MAX_PARTS = 64  # pieces of a reply written as they are; more are joined first
+FAIR_TURNS = 16  # requests a reader answers in a row before it lets other tasks run
 STOP_GRACE = 10.0  # seconds requests being answered may take once the session stops
 
 
 class Session:
     def __init__(self, fd: int, ops: Operations, forget: Callable[[list[tuple[int, int]]], None],
                  passthrough: Passthrough, max_background: int = 12,
-                 want_passthrough: bool = False) -> None:
+                 want_passthrough: bool = False, poll: float = 0.0) -> None:
         self.fd = fd
         self.ops = ops
         self.forget = forget
         self.passthrough = passthrough
         self.max_background = max_background
         self.want_passthrough = want_passthrough
-        self.lock = trio.Lock()
+        self.poll = poll
+        self._close_together = True  # the last request came within `poll` of the one before
         self.workers = 0
-        self.idle = 0
+        self.reading = False  # a worker holds the reader role
+        self.idle = trio.lowlevel.ParkingLot()  # workers waiting for the role
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
+        self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
         self._workers: trio.Nursery | None = None
-        self._waiting: trio.CancelScope | None = None  # the worker waiting on the fd
         os.set_blocking(fd, False)
 
     async def run(self) -> None:
@@ -68,8 +77,10 @@ class Session:
             nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
     def summary(self) -> str:
-        """The requests served, by kind, most first."""
-        return ", ".join(f"{p.NAMES.get(op, op)} {n}" for op, n in self.counts.most_common())
+        """The requests served, by kind, most first (and how many had to wait)."""
+        return ", ".join(f"{p.NAMES.get(op, op)} {n}"
+                         + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
+                         for op, n in self.counts.most_common())
 
     def terminate(self) -> None:
         self.done.set()
@@ -78,42 +89,89 @@ class Session:
         """Read no more requests; let those being answered finish (a create
         cut in half would leave half a file), for a while."""
         await self.done.wait()
-        if self._waiting is not None:
-            self._waiting.cancel()
+        trio.lowlevel.notify_closing(self.fd)  # wakes the reader waiting on it
         await trio.sleep(STOP_GRACE)
         nursery.cancel_scope.cancel()
 
     def _spawn(self) -> None:
         assert self._workers is not None
         self.workers += 1
-        self.idle += 1
         self._workers.start_soon(self._worker)
+
+    def _hand_over(self) -> None:
+        """The reader's request has to wait: another worker reads meanwhile."""
+        self.reading = False
+        if self.idle:
+            self.idle.unpark()
+        elif self.workers < MAX_WORKERS:
+            self._spawn()
 
     async def _worker(self) -> None:
         buf = bytearray(BUFFER)
         view = memoryview(buf)
-        while True:
-            async with self.lock:
-                n = await self._read(buf)
-            if n is None:
-                self.done.set()
-                return
-            self.idle -= 1
-            if self.idle == 0 and self.workers < MAX_WORKERS:
-                self._spawn()
-            try:
-                await self._serve(view[:n])
-            finally:
-                self.idle += 1
-
-    async def _read(self, buf: bytearray) -> int | None:
+        turns = 0
         while not self.done.is_set():
+            if self.reading:  # another worker reads: wait for the role
+                await self.idle.park()
+                continue
+            self.reading = True
+            while True:  # the reader, until a request has to wait
+                n = await self._read(buf)
+                if n is None:
+                    self.reading = False
+                    self.done.set()
+                    self.idle.unpark_all()
+                    return
+                if await _Watched(self._serve(view[:n]), self._hand_over):
+                    self.waited[int.from_bytes(view[4:8], "little")] += 1
+                    break  # answered as a task of its own; the role went on
+                turns += 1
+                if turns >= FAIR_TURNS:  # a flood of requests: let the rest of aifs run
+                    turns = 0
+                    await trio.lowlevel.checkpoint()
+        self.idle.unpark_all()
+
+    def _poll(self, buf: bytearray, since: float) -> int | None:
+        """Read the next request if it comes within ``poll`` of ``since``.
+
+        Where a program sends request after request (opens of small files, a
+        walk), the next one comes tens of microseconds after the answer; a
+        daemon asleep in epoll must first be woken, and on a virtual machine
+        waking an idle CPU costs more than that (``docs/kernel-binding.md``:
+        a request/answer round trip of ~58 us against ~19 us with one side
+        polling). So the reader polls for a while, and only while requests
+        keep coming that close together: a sparse stream costs one missed poll,
+        then sleeps as before."""
+        deadline = since + self.poll
+        while time.perf_counter() < deadline:
             try:
                 return os.readv(self.fd, [buf])
             except BlockingIOError:
-                with trio.CancelScope() as self._waiting:
+                continue
+            except OSError:
+                return None  # read again the ordinary way, which reports it
+        self._close_together = False
+        return None
+
+    async def _read(self, buf: bytearray) -> int | None:
+        since = time.perf_counter()
+        while not self.done.is_set():
+            try:
+                n = os.readv(self.fd, [buf])
+                if self.poll:
+                    self._close_together = time.perf_counter() - since < self.poll
+                return n
+            except BlockingIOError:
+                if self.poll and self._close_together:
+                    n = self._poll(buf, since)
+                    if n is not None:
+                        return n
+                    if self.done.is_set():  # stopped while it polled
+                        break
+                try:
                     await trio.lowlevel.wait_readable(self.fd)
-                self._waiting = None
+                except trio.ClosedResourceError:  # the session stops
+                    continue
             except InterruptedError:
                 continue
             except OSError as exc:
@@ -201,3 +259,39 @@ class Session:
             p.KERNEL_VERSION, min(minor, p.KERNEL_MINOR), MAX_READAHEAD, chosen & 0xFFFFFFFF,
             self.max_background, self.max_background * 3 // 4, MAX_WRITE, 1,
             MAX_WRITE // 4096, 0, chosen >> 32, 1 if self.passthrough.enabled else 0)
+
+
+class _Watched:
+    """Await a coroutine, calling ``on_wait`` the first time it has to wait.
+
+    Like ``await coro`` (each value it yields goes to trio and back), but tells
+    whether it waited: most handlers finish without waiting, and then cost no
+    task switch at all. Returns True when the coroutine waited.
+    """
+
+    __slots__ = ("coro", "on_wait")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], on_wait: Callable[[], None]) -> None:
+        self.coro = coro
+        self.on_wait = on_wait
+
+    def __await__(self) -> Generator[Any, Any, bool]:
+        coro = self.coro
+        try:
+            value = coro.send(None)
+        except StopIteration:
+            return False
+        self.on_wait()
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:  # noqa: BLE001 - handed to the coroutine, as await would
+                try:
+                    value = coro.throw(exc)
+                except StopIteration:
+                    return True
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration:
+                    return True
