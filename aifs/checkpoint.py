@@ -72,6 +72,7 @@ class Checkpoints:
         self._waiting_since: dict[int, float] = {}  # marker ino -> first refusal
         self.policies: Policies = config.policies()
         self._streams_large_files = config.streams_large_files()
+        self._streams_checkpoints = config.streams_checkpoints()
         self._policy_cache: dict[int, str] = {}
         self._pin_cache: dict[int, bool] = {}
         self._directory_values: dict[tuple[int, int], object] = {}  # (kind, dir) -> value
@@ -151,7 +152,7 @@ class Checkpoints:
         (``stream_large_files``), but never a file under a staging name (its
         rename would abandon the upload) nor a commit marker (it waits for
         what it commits)."""
-        enabled = (self.config.stream_checkpoints if self.is_checkpoint(inode)
+        enabled = (self._streams_checkpoints if self.is_checkpoint(inode)
                    else self._streams_large_files)
         if not enabled:
             return False

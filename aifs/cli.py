@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="PATTERN=POLICY", help="a policy rule (repeatable)")
     mount.add_argument("--staging-hold", type=float, help="seconds")
     mount.add_argument("--checkpoint-keep", type=int)
-    mount.add_argument("--stream-checkpoints", choices=["true", "false"])
+    mount.add_argument("--stream-checkpoints", choices=["auto", "true", "false"])
     mount.add_argument("--stream-large-files", choices=["auto", "true", "false"])
     mount.add_argument("--stream-parts-in-flight", type=int)
     mount.add_argument("--allow-other", action="store_true", default=None)

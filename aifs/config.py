@@ -161,9 +161,10 @@ class Config:
     checkpoint_keep: int = _option(2, "Newest checkpoints of each checkpoint directory "
                                    "kept on the local tier after promotion (evicted last).",
                                    "int")
-    stream_checkpoints: bool = _option(True, "Upload parts of a checkpoint file written "
-                                       "sequentially while it is still being written.",
-                                       "bool")
+    stream_checkpoints: str = _option("auto", "Upload parts of a checkpoint file written "
+                                      "sequentially while it is still being written: true, "
+                                      "false, or auto (S3 lakes only; a local-directory lake "
+                                      "shares the writer's disk).")
     stream_large_files: str = _option("auto", "Upload parts of any other file written "
                                       "sequentially from empty while it is still being "
                                       "written, once it reaches multipart_threshold: true, "
@@ -205,9 +206,18 @@ class Config:
         streamed parts are written to the disk the writer writes to: in the
         write benchmark that made 2 GiB writes 2.4 times slower until close
         and reached the lake no sooner, so ``auto`` streams to S3 only."""
-        if self.stream_large_files == "auto":
+        return self._streams(self.stream_large_files)
+
+    def streams_checkpoints(self) -> bool:
+        """``stream_checkpoints`` for this lake, ``auto`` as above: on a
+        local-directory lake a streamed 1 GiB ``torch.save`` took 1.1-3.3 s,
+        0.5-0.9 s without (same mount options otherwise, alternated)."""
+        return self._streams(self.stream_checkpoints)
+
+    def _streams(self, choice: str) -> bool:
+        if choice == "auto":
             return self.resolved_lake().startswith("s3://")
-        return self.stream_large_files == "true"
+        return choice == "true"
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -245,13 +255,13 @@ class Config:
                               f"{self.fuse_binding!r}")
         if self.fsync not in ("local", "lake"):
             raise ConfigError(f"fsync must be 'local' or 'lake', not {self.fsync!r}")
-        choice = str(self.stream_large_files).strip().lower()
-        if choice in _BOOL_WORDS:
-            choice = str(_BOOL_WORDS[choice]).lower()
-        self.stream_large_files = choice
-        if choice not in ("auto", "true", "false"):
-            raise ConfigError("stream_large_files must be 'auto', 'true' or 'false', not "
-                              f"{choice!r}")
+        for name in ("stream_large_files", "stream_checkpoints"):
+            choice = str(getattr(self, name)).strip().lower()
+            if choice in _BOOL_WORDS:
+                choice = str(_BOOL_WORDS[choice]).lower()
+            setattr(self, name, choice)
+            if choice not in ("auto", "true", "false"):
+                raise ConfigError(f"{name} must be 'auto', 'true' or 'false', not {choice!r}")
         if self.staging_hold < 0 or self.checkpoint_keep < 0:
             raise ConfigError("staging_hold and checkpoint_keep must not be negative")
         self.policies()

@@ -37,7 +37,7 @@ MiB = 1 << 20
 POLICY = "user.aifs.policy"
 STATE = "user.aifs.state"
 CACHED = "user.aifs.cached_bytes"
-STREAMING = ("--part-size", "5M", "--multipart-threshold", "5M")
+STREAMING = ("--part-size", "5M", "--multipart-threshold", "5M", "--stream-checkpoints", "true")
 STATE_RE = re.compile(r"(lake|local|promoting (\d+)/(\d+))")
 
 

@@ -97,3 +97,15 @@ def test_large_files_stream_to_s3_lakes_unless_told(tmp_path):
     assert not streams("s3://bucket", stream_large_files="off")
     with pytest.raises(ConfigError, match="stream_large_files"):
         load_config(None, {"stream_large_files": "sometimes"}, environ={})
+
+
+def test_checkpoints_stream_to_s3_lakes_unless_told(tmp_path):
+    """Checkpoints alike: ``auto`` streams them to S3 only."""
+    def streams(lake: str, **overrides) -> bool:
+        return load_config(None, {"lake": lake, **overrides}, environ={}).streams_checkpoints()
+    assert streams("s3://bucket/prefix")
+    assert not streams(str(tmp_path))
+    assert streams(str(tmp_path), stream_checkpoints="true")
+    assert not streams("s3://bucket", stream_checkpoints="false")
+    with pytest.raises(ConfigError, match="stream_checkpoints"):
+        load_config(None, {"stream_checkpoints": "maybe"}, environ={})

@@ -243,7 +243,8 @@ def test_a_direct_writer_is_streamed_and_a_rewrite_after_a_part_is_caught(
     # be seen as it happens: the parts are checked against the copy before the
     # upload completes, so the lake holds the bytes written last either way.
     from conftest import lake_digest, lake_size, lake_upload_parts, wait_for
-    m = kernel_mount(lake, mounter, "--part-size", "5M", "--multipart-threshold", "5M")
+    m = kernel_mount(lake, mounter, "--part-size", "5M", "--multipart-threshold", "5M",
+                     "--stream-checkpoints", "true")
     (m.path / "ckpt").mkdir()
     data = bytearray(os.urandom(16 * MiB + 321))
     before = stats(m.path)
@@ -281,6 +282,7 @@ def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -
                 prefix="data/")
     data = os.urandom(3 * MiB)
     lake.put("slow/big.bin", data)
+    m = None
     try:
         m = kernel_mount(lake, mounter)
         assert os.listdir(m.path / "slow") == ["big.bin"]  # listed before the lake stalls
@@ -313,4 +315,6 @@ def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -
         assert got == [data]
     finally:
         proxy.replies.set()
+        if m is not None:  # while the lake is there: unmount uploads what was written
+            m.unmount()
         proxy.close()
