@@ -299,17 +299,24 @@ class Checkpoints:
     def committed_by_rename(self, moved: Inode) -> None:
         """A rename may commit a checkpoint (``.metadata.tmp`` -> ``.metadata``,
         ``tmp-checkpoint-N`` -> ``checkpoint-N``): markers it moved count as
-        written now, after everything the rename committed."""
+        written now, after everything the rename committed. Their versions kept
+        from before the rename go: they were written under another name, and
+        published now they would commit less than the rename did (HF's
+        ``trainer_state.json`` is written before ``rng_state.pth``)."""
         self.forget_policies()
         if not moved.is_dir:
             if moved.pending & DATA and self.is_marker(moved):
-                self.meta.renew_order(moved.ino, self._content(moved))
+                self._renamed_marker(moved)
             return
         prefix = moved.key
         for inode in self.meta.pending_inodes():
             if (inode.key.startswith(prefix) and inode.pending & DATA
                     and self.is_marker(inode)):
-                self.meta.renew_order(inode.ino, self._content(inode))
+                self._renamed_marker(inode)
+
+    def _renamed_marker(self, marker: Inode) -> None:
+        self.meta.drop_marker_versions(marker.ino)
+        self.meta.renew_order(marker.ino, self._content(marker))
 
     # -- local retention ------------------------------------------------------------
     def promoted(self, inode: Inode) -> None:

@@ -398,3 +398,36 @@ async def test_a_stat_past_the_ttl_is_answered_while_the_listing_refreshes_behin
     assert timed.cancelled_caught
     store.release.set()
     assert (await fs.getattr(f.ino)).size == 4
+
+
+async def test_a_marker_renamed_into_place_is_published_only_as_of_the_rename(tmp_path):
+    """The HF Trainer writes ``tmp-checkpoint-N/``: the model, then
+    ``trainer_state.json`` (the commit marker), then ``rng_state.pth``, and
+    renames the directory to ``checkpoint-N/``. The rename is the commit: the
+    marker's version from its close, before the rename, must never be
+    published on its own once the model is in the lake, or the lake shows
+    ``checkpoint-N/trainer_state.json`` while ``rng_state.pth`` is not there
+    (found by test_checkpoint_survives_a_kill_during_promotion[local-hf])."""
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    config = Config(lake=f"file://{lake}", promote_delay=3600)
+    fs = Filesystem(config, LocalStore(str(lake)), MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", 64 * MiB), LocalFiles(tmp_path / "cache"))
+    async with trio.open_nursery() as nursery:
+        fs.start(nursery)
+        staging = await fs.mkdir(ROOT_INO, b"tmp-checkpoint-3", 0o40755, 0, 0)
+
+        async def write(name: bytes, data: bytes) -> int:
+            fh, inode = await fs.create(staging.ino, name, 0o644, os.O_WRONLY, 0, 0)
+            await fs.write(fh, 0, data)
+            await fs.flush(fh)
+            fs.release(fh)
+            return inode.ino
+
+        model = await write(b"pytorch_model.bin", b"m" * 4096)
+        marker = await write(b"trainer_state.json", b'{"global_step": 3}')
+        await write(b"rng_state.pth", b"r" * 100)
+        await fs.rename(ROOT_INO, b"tmp-checkpoint-3", ROOT_INO, b"checkpoint-3", 0)
+        fs.meta.update(model, pending=0)  # the model reached the lake; rng_state.pth not yet
+        assert fs.hosting.older_marker_version(fs.meta.get(marker)) is None
+        nursery.cancel_scope.cancel()
