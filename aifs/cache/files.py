@@ -33,6 +33,7 @@ class LocalFiles:
         self.in_use = in_use  # open through the mount: keep the copy and its descriptor
         self.root = directory / "files"
         self.root.mkdir(parents=True, exist_ok=True)
+        self._prefix = f"{self.root}/"  # where copies are named, as a str: opens build no Path
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
         self._clean: OrderedDict[int, None] = OrderedDict()
@@ -80,7 +81,10 @@ class LocalFiles:
             return dict(self._sizes)
 
     def path(self, ino: int) -> Path:
-        return self.root / str(ino)
+        return Path(self._name(ino))
+
+    def _name(self, ino: int) -> str:
+        return f"{self._prefix}{ino}"
 
     def mark_clean(self, ino: int) -> None:
         """The lake has this copy's content: it may be evicted."""
@@ -113,7 +117,7 @@ class LocalFiles:
         if fd is not None:
             self._fds.move_to_end(ino)
             return fd
-        fd = os.open(f"{self.root}/{ino}", os.O_RDWR)  # (a str: no Path built per open)
+        fd = os.open(self._name(ino), os.O_RDWR)
         self._fds[ino] = fd
         self._close_extra()
         return fd

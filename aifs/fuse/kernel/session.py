@@ -117,13 +117,12 @@ class Session:
             self.reading = True
             while True:  # the reader, until a request has to wait
                 n = await self._read(buf)
-                if n is None:
+                if n is None:  # unmounted, or stopped: the loop above ends
                     self.reading = False
                     self.done.set()
-                    self.idle.unpark_all()
-                    return
+                    break
                 if await _Watched(self._serve(view[:n]), self._hand_over):
-                    self.waited[int.from_bytes(view[4:8], "little")] += 1
+                    self.waited[p.IN_HEADER.unpack_from(view)[1]] += 1  # its opcode
                     break  # answered as a task of its own; the role went on
                 turns += 1
                 if turns >= FAIR_TURNS:  # a flood of requests: let the rest of aifs run
