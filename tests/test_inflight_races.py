@@ -350,3 +350,47 @@ async def test_a_pack_landing_after_the_files_newer_object_is_stale(fs, tmp_path
     await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
     await _sync(fs)
     assert _lake_files(tmp_path) == {"e/a": b"x" * (2 * MiB)}
+
+
+async def test_a_file_whose_pack_lands_while_a_rename_replaces_it(tmp_path, nursery):
+    """A rename over a small file copies the source in the lake first; the
+    target's pack lands during that copy. What the rename knew of the target
+    from before the copy (no packed copy yet) must not decide: the target's
+    record in the pack index is deleted with it, or the name keeps the
+    replaced bytes in the lake (fsx seed 15: a stale record for e/b/f/c/f/a
+    travelled through eleven directory renames and showed up as c/a/f/a)."""
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
+                    metadata_ttl=60, promote_delay=0, pack_wait=0.05)
+    store = CopyGatedStore(str(tmp_path / "lake"))
+    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    fs.gate = store  # type: ignore[attr-defined]
+    await _write(fs, b"y", b"Y" * (2 * MiB))  # an object of its own: the rename copies it
+    await _sync(fs)
+    await _pack_in_flight(fs, {b"x": b"small x" * 100})
+    store.copy_holds = lambda key: key == "y"
+
+    async def rename() -> None:
+        await fs.rename(ROOT_INO, b"y", ROOT_INO, b"x", 0)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(rename)
+        with trio.fail_after(30):
+            await store.copy_entered.wait()  # the rename looked at x, then began the copy
+        x = (await fs.lookup(ROOT_INO, b"x")).ino
+        store.open()  # x's pack lands: x is packed now
+        with trio.fail_after(30):
+            while not fs.meta.get(x).packed:
+                await trio.sleep(0.01)
+        store.copies_go.set()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"x": b"Y" * (2 * MiB)}
+    fh, _ = await fs.open((await fs.lookup(ROOT_INO, b"x")).ino, os.O_WRONLY, 0)
+    await fs.write(fh, 0, b"changed")  # pending again: no upload before the unlink
+    fs.release(fh)
+    await fs.unlink(ROOT_INO, b"x")
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {}
