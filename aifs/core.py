@@ -114,6 +114,7 @@ class Filesystem:
         self.listings.start(nursery)
         nursery.start_soon(self.promoter.run)
         nursery.start_soon(self.direct.follow_growth)
+        nursery.start_soon(self.direct.admit_queued)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self.inodes.save_dir_times_now_and_then)
         nursery.start_soon(self.metrics.run)
@@ -263,6 +264,9 @@ class Filesystem:
 
     def direct_released(self, fh: int) -> None:
         self.direct.released(fh)
+
+    def admit_later(self, fh: int) -> None:
+        self.direct.admit_later(fh)
 
     # -- promotion (posix.hosting) --------------------------------------------------------
     async def sync(self, ino: int) -> None:

@@ -186,6 +186,38 @@ class LocalFiles:
         os.rename(tmp, self.path(ino))
         self._account(ino, os.stat(self.path(ino)).st_size)
 
+    def filled(self, ino: int, data: bytes) -> tuple[str, int]:
+        """A file holding ``data``, to become the copy of ``ino`` by
+        :meth:`install` (whole or not at all): a spare, else a new file.
+        Blocking; safe in a worker thread."""
+        spare = self._take_spare()
+        name, fd = spare if spare is not None else (str(self.tmp_path(ino)), -1)
+        try:
+            if fd < 0:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, len(data) - len(view)):]
+        except BaseException:
+            self.discard(name, fd)
+            raise
+        return name, fd
+
+    def install(self, ino: int, name: str, fd: int) -> None:
+        """Make a file from :meth:`filled` the copy of ``ino`` (which has none)."""
+        os.rename(name, self.path(ino))
+        self._fds[ino] = fd
+        self._account(ino, os.fstat(fd).st_size)
+        self._close_extra()
+
+    @staticmethod
+    def discard(name: str, fd: int) -> None:
+        """Drop a file from :meth:`filled` that was not installed."""
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        if fd >= 0:
+            os.close(fd)
+
     def tmp_path(self, ino: int) -> Path:
         return self.root / f"tmp-{ino}"
 

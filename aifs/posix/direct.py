@@ -2,8 +2,10 @@
 file's local copy, past the daemon (FUSE passthrough, kernel binding).
 
 A handle may go direct only where the local copy is the whole file (written
-on this node, or fetched whole); a small file whose bytes are all in the
-block cache is given such a copy when it is opened (:meth:`Direct._admit`).
+on this node, or fetched whole); a small file read through the daemon whose
+bytes are then all in the block cache is given such a copy in the
+background after the reader closes it (:meth:`Direct.admit_later`), so that
+its next opens go direct while the open that read it paid nothing for it.
 The kernel asks that every open of an
 inode be direct while one is, so the binding says whether the inode is
 direct already. A direct writer's bytes never pass through aifs: its local
@@ -27,18 +29,23 @@ from dataclasses import dataclass
 
 import trio
 
+from aifs.cache.blocks import ObjectVersion
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.meta.store import Inode, MetaStore
 from aifs.posix.inodes import Inodes, OpenFile
 from aifs.posix.reads import Reads
 from aifs.posix.writes import Writes
+from aifs.read.readahead import Readahead
 
 log = logging.getLogger(__name__)
 
 DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
 FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed file
 ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
+ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
+ADMIT_BATCH = 64  # copies written in one trip to a worker thread
+ADMIT_WAIT = 0.05  # seconds between batches
 
 
 @dataclass
@@ -62,6 +69,9 @@ class Direct:
         self.writers: dict[int, Writing] = {}  # inodes that direct writers hold
         self.streams = writes.promoter.streams
         self._writing = trio.Event()  # set when a direct writer opens
+        #: inode -> version: local copies to make (admit_later)
+        self._admissions: dict[int, ObjectVersion] = {}
+        self._admitting = trio.Event()  # set when an admission is queued
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -72,8 +82,9 @@ class Direct:
             return None
         ino = handle.ino
         if not self.local.has(ino):
-            if inode_is_direct or handle.writable or not await self._admit(handle):
-                return None
+            if not handle.writable and 0 < handle.version.size <= ADMIT_MAX:
+                handle.cached_at_open = self.reads.cached_whole(handle.version)
+            return None  # through the daemon (a file read again gets a copy: admit_later)
         if not inode_is_direct:
             # (Once direct, an inode's later opens share its copy even where a
             # newer version came from another node: the kernel knows one
@@ -96,29 +107,72 @@ class Direct:
                   "writer" if handle.writable else "reader")
         return self.local.fd(ino)
 
-    async def _admit(self, handle: OpenFile) -> bool:
-        """A small file whose bytes are all in the block cache gets a clean
-        local copy of its own, so that this open and the next go direct (a
-        dataset's second epoch never reaches the daemon). Only what the cache
-        admitted: its policy (a scan larger than the cache keeps a stable
-        subset) decides what becomes a copy."""
-        version = handle.version
-        if not 0 < version.size <= ADMIT_MAX or not self.reads.cached_whole(version) \
-                or self.inodes.opens.get(handle.ino, 0) != 1:
+    def admit_later(self, fh: int) -> None:
+        """Reader ``fh`` (served by the daemon) closes: if the block cache held
+        all of its small file when it was opened (read again: a dataset's
+        second epoch), queue a clean local copy of it, made in the background,
+        so that the next opens go direct while this one paid nothing for it.
+        Only what the cache kept: its policy (a scan larger than the cache
+        keeps a stable subset) decides what becomes a copy; a file the lake
+        just sent to this open gets none (a first epoch does not store its
+        files twice)."""
+        handle = self.inodes.files.get(fh)
+        if handle is None or handle.writable or not handle.cached_at_open:
+            return
+        ino, version = handle.ino, handle.version
+        if ino in self._admissions or len(self._admissions) >= ADMIT_QUEUE \
+                or not 0 < version.size <= ADMIT_MAX or self.local.has(ino):
+            return
+        self._admissions[ino] = version
+        self._admitting.set()
+
+    async def admit_queued(self) -> None:
+        """Make the copies :meth:`admit_later` queued, a batch per thread trip."""
+        while True:
+            if not self._admissions:
+                self._admitting = trio.Event()
+                await self._admitting.wait()
+            await trio.sleep(ADMIT_WAIT)  # more closes join the batch
+            batch: list[tuple[int, ObjectVersion, bytes]] = []
+            for ino in list(self._admissions)[:ADMIT_BATCH]:
+                version = self._admissions.pop(ino)
+                if not self._admissible(ino, version):
+                    continue
+                if not self.reads.cached_whole(version):
+                    continue  # evicted meanwhile: not worth a read from the lake
+                reader = OpenFile(ino, version, Readahead(0, 0), False)
+                batch.append((ino, version, await self.reads.whole(reader)))
+            if not batch:
+                continue
+            files = await trio.to_thread.run_sync(
+                self._fill, [(ino, data) for ino, _, data in batch], limiter=self.inodes.disk)
+            for (ino, version, data), made in zip(batch, files, strict=True):
+                if made is None:
+                    continue
+                name, fd = made
+                if len(data) != version.size or not self._admissible(ino, version):
+                    self.local.discard(name, fd)  # changed meanwhile: not this copy
+                    continue
+                self.local.install(ino, name, fd)
+                self.local.mark_clean(ino)
+                self.inodes.counters.admitted += 1
+
+    def _fill(self, items: list[tuple[int, bytes]]) -> list[tuple[str, int] | None]:
+        filled: list[tuple[str, int] | None] = []
+        for ino, data in items:
+            try:
+                filled.append(self.local.filled(ino, data))
+            except OSError as exc:  # a full disk: no copy, reads stay with the daemon
+                log.debug("no local copy of inode %d: %s", ino, exc)
+                filled.append(None)
+        return filled
+
+    def _admissible(self, ino: int, version: ObjectVersion) -> bool:
+        """``ino`` has no copy and its lake version is still ``version``."""
+        if self.local.has(ino):
             return False
-        ino = handle.ino
-        data = await self.reads.whole(handle)
-        tmp = self.local.tmp_path(ino)
-        await trio.to_thread.run_sync(tmp.write_bytes, data, limiter=self.inodes.disk)
         inode = self.meta.get(ino)
-        current = inode is not None and self.reads.version(inode) == version
-        if not current or self.local.has(ino) or len(data) != version.size:
-            tmp.unlink(missing_ok=True)  # changed meanwhile: not this copy
-            return self.local.has(ino) and current
-        self.local.adopt(ino, tmp)  # whole or not at all, even across a crash
-        self.local.mark_clean(ino)
-        self.inodes.counters.admitted += 1
-        return True
+        return inode is not None and not inode.orphan and self.reads.version(inode) == version
 
     def _may_write_direct(self, kill_setid: bool) -> bool:
         if kill_setid:

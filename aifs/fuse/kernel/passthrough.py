@@ -57,6 +57,8 @@ class Passthrough:
     def released(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
         if ino is None:
+            if self.enabled:  # served by the daemon: its file may go direct next time
+                self.fs.admit_later(fh)
             return
         self.fs.direct_released(fh)
         entry = self.ids[ino]
