@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -321,3 +324,43 @@ def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -
             m.unmount()
         proxy.close()
 
+
+def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> None:
+    """A program interrupted (SIGINT) while its stat waits on the lake (a
+    directory not listed yet, a lake that does not answer) stops at once
+    instead of when the lake answers; the mount goes on, and the same stat,
+    once the lake answers, finds the file. (A read through the page cache
+    is the kernel's readahead, which no signal but SIGKILL cuts short, as on
+    a local disk.)"""
+    bucket = f"aifs-intr-{uuid.uuid4().hex[:12]}"
+    moto_server.client.create_bucket(Bucket=bucket)
+    proxy = FaultProxy(int(moto_server.endpoint.rsplit(":", 1)[1]), 0.0, 1)
+    lake = Lake("moto", f"s3://{bucket}/data", moto_server.env,
+                ["--endpoint-url", proxy.endpoint], server=moto_server, bucket=bucket,
+                prefix="data/")
+    lake.put("slow/f.bin", b"twelve bytes")
+    m = None
+    try:
+        m = kernel_mount(lake, mounter)
+        assert os.listdir(m.path) == ["slow"]  # the root listed before the lake stalls
+        proxy.replies.clear()
+        program = subprocess.Popen(
+            [sys.executable, "-c", "import os, sys; os.stat(sys.argv[1])",
+             str(m.path / "slow/f.bin")], stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: proxy.held, 30, "the listing to reach the lake")
+            program.send_signal(signal.SIGINT)
+            _, err = program.communicate(timeout=10)  # (not answered: waits for the lake)
+        finally:
+            program.kill()
+            program.wait()
+        assert program.returncode != 0 and "KeyboardInterrupt" in err, err
+        assert proxy.held  # it stopped while the lake still held the reply
+        proxy.replies.set()
+        assert (m.path / "slow/f.bin").stat().st_size == 12
+        assert (m.path / "slow/f.bin").read_bytes() == b"twelve bytes"
+    finally:
+        proxy.replies.set()
+        if m is not None:
+            m.unmount()
+        proxy.close()

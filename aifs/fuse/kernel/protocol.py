@@ -71,6 +71,7 @@ ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # 88 bytes
 ENTRY_HEAD = struct.Struct("<QQQQII")  # nodeid generation entry_valid attr_valid (nsec x2)
 ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid attr_valid_nsec dummy
 GETATTR_IN = struct.Struct("<IIQ")  # getattr_flags dummy fh
+INTERRUPT_IN = struct.Struct("<Q")  # unique of the request interrupted
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 MKNOD_IN = struct.Struct("<IIII")  # mode rdev umask padding
 MKDIR_IN = struct.Struct("<II")  # mode umask

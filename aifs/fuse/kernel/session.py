@@ -13,8 +13,13 @@ their own). Measured why (``docs/kernel-binding.md``): a ``trio.Lock`` taken
 per request and a scheduler pass per answer cost more than most handlers.
 
 INIT is answered here: what the kernel offers and aifs wants. FORGET and
-BATCH_FORGET are answered inline (no reply), INTERRUPT is let go: every
-request aifs serves ends by itself.
+BATCH_FORGET are answered inline (no reply). INTERRUPT (a signal reached a
+program waiting on a request: Ctrl-C during a read the lake is slow to
+answer) is answered for the requests that change nothing (:data:`INTERRUPTIBLE`):
+the interrupted one gets EINTR at once, and its handler, left to finish
+(a fetch others may share), has its reply dropped (a LOOKUP's count is
+given back). A request that changes something is never cut short: it ends by
+itself, as on a local disk.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ MAX_READAHEAD = 1 << 20
 MAX_PARTS = 64  # pieces of a reply written as they are; more are joined first
 FAIR_TURNS = 16  # requests a reader answers in a row before it lets other tasks run
 STOP_GRACE = 10.0  # seconds requests being answered may take once the session stops
+#: requests answered EINTR when interrupted: they change nothing (a LOOKUP's
+#: count is given back when its late answer is dropped)
+INTERRUPTIBLE = frozenset({p.LOOKUP, p.GETATTR, p.READLINK, p.READ, p.STATFS, p.GETXATTR,
+                           p.LISTXATTR, p.ACCESS, p.READDIR})
 
 
 class Session:
@@ -64,6 +73,8 @@ class Session:
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
+        self.pending: dict[int, int] = {}  # unique -> opcode of INTERRUPTIBLE requests served
+        self.interrupted: set[int] = set()  # those answered EINTR: their answer is dropped
         self._workers: trio.Nursery | None = None
         os.set_blocking(fd, False)
 
@@ -195,6 +206,10 @@ class Session:
                           for i in range(count)])
             return
         if opcode == p.INTERRUPT:
+            (which,) = p.INTERRUPT_IN.unpack_from(body)
+            if which in self.pending and which not in self.interrupted:
+                self.interrupted.add(which)
+                self._reply(which, errno.EINTR, b"")
             return
         if opcode == p.INIT:
             self._reply(unique, 0, self._init(body))
@@ -207,16 +222,33 @@ class Session:
         if handler is None:
             self._reply(unique, errno.ENOSYS, b"")
             return
+        if opcode in INTERRUPTIBLE:
+            self.pending[unique] = opcode
         try:
             reply = await handler(Request(opcode, unique, nodeid, uid, gid, pid), body)
         except Exception as exc:
-            self._reply(unique, errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()), b"")
+            if self._answered(unique, None):
+                self._reply(unique, errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()),
+                            b"")
+            return
+        if not self._answered(unique, reply if opcode == p.LOOKUP else None):
             return
         try:
             self._reply(unique, 0, reply)
         except Exception:  # a reply that cannot be encoded: the caller must not wait on
             log.exception("encoding the reply to %s", p.NAMES.get(opcode, opcode))
             self._reply(unique, errno.EIO, b"")
+
+    def _answered(self, unique: int, lookup: Reply | None) -> bool:
+        """The request is done: False if it was interrupted (answered already).
+        ``lookup``: a LOOKUP's reply, whose count goes back if it is dropped."""
+        if self.pending.pop(unique, None) is None or unique not in self.interrupted:
+            return True
+        self.interrupted.discard(unique)
+        if isinstance(lookup, bytes | bytearray) and (nodeid := int.from_bytes(lookup[:8],
+                                                                              "little")):
+            self._forget([(nodeid, 1)])
+        return False
 
     def _forget(self, items: list[tuple[int, int]]) -> None:
         try:
