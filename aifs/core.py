@@ -35,7 +35,7 @@ from aifs.posix.direct import Direct
 from aifs.posix.files import Files
 from aifs.posix.hosting import Hosting
 from aifs.posix.inodes import Attributes, Inodes
-from aifs.posix.listing import Listings
+from aifs.posix.listing import Changes, Listings
 from aifs.posix.moves import Moves
 from aifs.posix.namespace import Namespace
 from aifs.posix.reads import Reads
@@ -262,11 +262,12 @@ class Filesystem:
     def rebase(self, ino: int) -> None:
         self.direct.rebase(ino)
 
-    def direct_released(self, fh: int) -> None:
-        self.direct.released(fh)
+    def direct_released(self, fh: int, direct: bool = True) -> None:
+        """Handle ``fh`` closes: direct, or served by the daemon (a copy may follow)."""
+        self.direct.released(fh) if direct else self.direct.admit_later(fh)
 
-    def admit_later(self, fh: int) -> None:
-        self.direct.admit_later(fh)
+    def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes
+        self.listings.on_changes = callback
 
     # -- promotion (posix.hosting) --------------------------------------------------------
     async def sync(self, ino: int) -> None:

@@ -364,3 +364,37 @@ def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> 
         if m is not None:
             m.unmount()
         proxy.close()
+
+
+def test_another_nodes_changes_reach_the_kernels_caches_once_listed(lake, mounter) -> None:
+    """The kernel keeps names and attributes for the listing TTL. Once a
+    listing refresh finds another node's change (a file rewritten, a file
+    added where this node was told there was none, a file removed), the
+    kernel is told to drop what it holds: the change shows at once, not a
+    TTL later, when what the kernel cached from the stale answers expires."""
+    ttl = 2.0
+    a = kernel_mount(lake, mounter, "--metadata-ttl", str(ttl), name="a")
+    b = kernel_mount(lake, mounter, "--metadata-ttl", str(ttl), name="b")
+    (b.path / "d").mkdir()
+    (b.path / "d/f").write_bytes(b"1")
+    (b.path / "d/h").write_bytes(b"here")
+    os.getxattr(b.path, "user.aifs.sync")
+    assert (a.path / "d/f").stat().st_size == 1
+    assert (a.path / "d/h").exists()
+    listed = time.monotonic()  # A listed d/ before this
+    (b.path / "d/f").write_bytes(b"22")
+    (b.path / "d/g").write_bytes(b"new")
+    os.unlink(b.path / "d/h")
+    os.getxattr(b.path, "user.aifs.sync")
+    assert not (a.path / "d/g").exists()  # A's listing is fresh: no g, and the kernel keeps that
+    time.sleep(max(0.0, listed + ttl + 0.1 - time.monotonic()))  # A's listing is stale now
+    assert (a.path / "d/f").stat().st_size in (1, 2)  # answered at once; a LIST goes behind
+    (a.path / "d/h").exists()  # (the same: the kernel caches it again for a TTL)
+
+    def shows() -> bool:
+        return ((a.path / "d/f").stat().st_size == 2 and (a.path / "d/g").exists()
+                and not (a.path / "d/h").exists())
+
+    wait_for(shows, ttl / 2, "B's changes to show in A before A's caches expire")
+    assert (a.path / "d/f").read_bytes() == b"22"
+    assert (a.path / "d/g").read_bytes() == b"new"

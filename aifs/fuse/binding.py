@@ -17,6 +17,7 @@ from aifs.core import Filesystem
 from aifs.errors import ConfigError
 
 if TYPE_CHECKING:
+    from aifs.fuse.kernel.notify import Notifier
     from aifs.fuse.kernel.session import Session
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class KernelBinding:
         self.passthrough = Passthrough(fs)
         self.ops = Operations(fs, self.passthrough)
         self.session: Session | None = None
+        self.notifier: Notifier | None = None
         self.fd = -1
 
     def mount(self) -> None:
@@ -86,6 +88,9 @@ class KernelBinding:
         from aifs.fuse.kernel.session import Session
         self.fd = mount.mount(self.mountpoint, self.options)
         self.passthrough.devfd = self.fd
+        from aifs.fuse.kernel.notify import Notifier
+        self.notifier = Notifier(self.fd)
+        self.fs.on_lake_changes(self.notifier.changed)
         self.session = Session(self.fd, self.ops, self.fs.forget, self.passthrough,
                                max_background=max(12, self.config.max_connections * 2),
                                want_passthrough=self.config.passthrough,
@@ -104,6 +109,9 @@ class KernelBinding:
 
     def unmount(self) -> None:
         from aifs.fuse.kernel import mount
+        self.fs.on_lake_changes(None)
+        if self.notifier is not None:
+            self.notifier.close()
         mount.unmount(self.mountpoint)
         if self.fd >= 0:
             os.close(self.fd)

@@ -22,9 +22,11 @@ from aifs.meta.schema import SYS_NEXT_COOKIE, SYS_NEXT_INO, U64, U64X2, key_byte
 
 class ListingMixin(StoreBase):
     def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
-                      started: float | None = None) -> tuple[list[int], list[int]]:
+                      started: float | None = None, names: list[bytes] | None = None,
+                      ) -> tuple[list[int], list[int]]:
         """Make ``parent``'s children match a fresh LIST; return the inodes
-        removed and those whose object another writer replaced.
+        removed and those whose object another writer replaced (and add to
+        ``names`` the names that came or went).
 
         Local state wins over the listing: tombstoned keys stay hidden, entries
         with pending changes or changed locally since the LIST ``started``
@@ -72,6 +74,8 @@ class ListingMixin(StoreBase):
                         continue
                     removed.append(U64X2.unpack(value[:16])[0])
                     self._remove(txn, parent, name, value, tomb=False)
+                if names is not None:
+                    names.append(name)
                 self._link(txn, parent, name, entry)
             for name, value in existing.items():
                 raw = txn.get(value[:8], db=self.inodes)
@@ -82,6 +86,8 @@ class ListingMixin(StoreBase):
                         continue  # in the lake since the LIST began, or not yet
                 removed.append(U64X2.unpack(value[:16])[0])
                 self._remove(txn, parent, name, value, tomb=False)
+                if names is not None:
+                    names.append(name)
             raw = txn.get(prefix, db=self.inodes)
             if raw:
                 dir_inode = Inode.decode(raw)

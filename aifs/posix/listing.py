@@ -12,7 +12,7 @@ import contextlib
 import errno
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -25,6 +25,9 @@ from aifs.posix.inodes import Inodes
 from aifs.read.attrs import ObjectAttributes
 
 log = logging.getLogger(__name__)
+
+#: (directory, names that came or went, inodes replaced): what a refresh found
+Changes = Callable[[int, list[bytes], list[int]], None]
 
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
@@ -49,6 +52,9 @@ class Listings:
         self._reading: dict[int, int] = {}  # ino -> listings of it asked for a read
         self._subdirs: dict[int, list[str]] = {}
         self._ahead = trio.CapacityLimiter(LIST_AHEAD)
+        #: told what a refresh found another writer changed: (directory, names
+        #: that came or went, inodes replaced); the kernel binding drops its caches
+        self.on_changes: Changes | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -259,8 +265,12 @@ class Listings:
                 entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
         await self._add_packed(directory, entries, started)
         # A file listed before the directory of the same name loses too.
+        names: list[bytes] | None = [] if self.on_changes and directory.listed_at else None
         removed, replaced = await trio.to_thread.run_sync(
-            self.meta.apply_listing, directory.ino, list(entries.values()), started, started)
+            self.meta.apply_listing, directory.ino, list(entries.values()), started, started,
+            names)
+        if self.on_changes is not None and (names or replaced):  # a refresh found changes
+            self.on_changes(directory.ino, names or [], replaced)
         for ino in removed:
             self.inodes.free_if_unused(ino)
         local = self.inodes.local

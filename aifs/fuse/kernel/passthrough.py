@@ -58,7 +58,7 @@ class Passthrough:
         ino = self.handles.pop(fh, None)
         if ino is None:
             if self.enabled:  # served by the daemon: its file may go direct next time
-                self.fs.admit_later(fh)
+                self.fs.direct_released(fh, direct=False)
             return
         self.fs.direct_released(fh)
         entry = self.ids[ino]

@@ -72,6 +72,10 @@ ENTRY_HEAD = struct.Struct("<QQQQII")  # nodeid generation entry_valid attr_vali
 ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid attr_valid_nsec dummy
 GETATTR_IN = struct.Struct("<IIQ")  # getattr_flags dummy fh
 INTERRUPT_IN = struct.Struct("<Q")  # unique of the request interrupted
+# notices to the kernel (unique 0, the code in the header's error field)
+NOTIFY_INVAL_INODE, NOTIFY_INVAL_ENTRY = 2, 3
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino off len (0, 0: attributes, all pages)
+NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent namelen flags, then the name, NUL
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 MKNOD_IN = struct.Struct("<IIII")  # mode rdev umask padding
 MKDIR_IN = struct.Struct("<II")  # mode umask
