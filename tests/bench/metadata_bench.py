@@ -6,7 +6,8 @@ baseline in one run.
   would) through a fresh mount, against boto3 listing the same prefix and a
   walk of the same tree on the local disk (caches dropped);
 - first read of every foreign object with R reader processes through a fresh
-  mount, against boto3 GETs on R threads;
+  mount, against boto3 GETs on R threads and the same GETs from aifs's lean
+  signed-HTTP client on R threads (what the lake itself gives here);
 - ``ls`` + ``stat`` and a read of M small files aifs wrote (``*.bin``), through
   a fresh mount; and how many PUTs writing them took.
 
@@ -178,6 +179,17 @@ def main() -> None:
             list(pool.map(lambda n: client.get_object(Bucket=bucket, Key=lake.prefix + n)
                           ["Body"].read(), order))
         r["boto3_read_s"] = time.perf_counter() - start
+        # the lake's own ceiling here: the same GETs from the lean signed-HTTP
+        # client aifs uses (no botocore, no FUSE), as many threads
+        from aifs.lake.s3http import SignedHTTP
+        http = SignedHTTP(server.endpoint, bucket, client.meta.region_name,
+                          client._request_signer._credentials, 64, 30.0)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.readers) as pool:
+            list(pool.map(lambda n: http.get_range(lake.prefix + n, n, 0, args.size, None),
+                          order))
+        r["lean_read_s"] = time.perf_counter() - start
+        http.close()
         with fresh_mount(lake, work, "aifs_read", base, r) as mount:
             r["aifs_read_s"] = read_all([mount.path / n for n in order], args.readers)
 
@@ -204,7 +216,9 @@ def main() -> None:
           f"requests {r['aifs_walk_requests']}); stat past the TTL: median "
           f"{r['stat_after_ttl_us']:.0f} us; LMDB {r['lmdb_bytes_per_file']:.0f} bytes per file")
     print(f"first read of {n} foreign objects, {args.readers} readers: boto3 "
-          f"{n / r['boto3_read_s']:,.0f}/s, aifs {n / r['aifs_read_s']:,.0f}/s "
+          f"{n / r['boto3_read_s']:,.0f}/s, lean HTTP GETs {n / r['lean_read_s']:,.0f}/s "
+          f"({r['boto3_read_s'] / r['lean_read_s']:.2f}x boto3), "
+          f"aifs {n / r['aifs_read_s']:,.0f}/s "
           f"({r['boto3_read_s'] / r['aifs_read_s']:.2f}x boto3; "
           f"requests {r['aifs_read_requests']})")
     print(f"{m} small files aifs wrote: requests to write {r['own_write_requests']}; fresh "
