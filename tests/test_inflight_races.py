@@ -6,7 +6,9 @@ later name, with the replaced bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -80,18 +82,25 @@ class GatedStore(LocalStore):
         self._poke()
 
 
-@pytest.fixture
-async def fs(tmp_path, nursery):
+def _started(tmp_path, nursery, store_class: type[GatedStore] = GatedStore,
+             **options: object) -> Filesystem:
+    """A Filesystem over a gated local lake (``fs.gate``), promoting at once."""
     (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    metadata_ttl=60, promote_delay=0, pack_wait=0.05)
-    store = GatedStore(str(tmp_path / "lake"))
+    config = Config(**{"lake": f"file://{tmp_path}/lake", "block_size": MiB,
+                       "cache_size": 64 * MiB, "metadata_ttl": 60, "promote_delay": 0,
+                       "pack_wait": 0.05, **options})
+    store = store_class(str(tmp_path / "lake"))
     filesystem = Filesystem(config, store, MetaStore(tmp_path / "meta"),
                             BlockCache(tmp_path / "cache", config.cache_size),
                             LocalFiles(tmp_path / "cache"))
     filesystem.start(nursery)
     filesystem.gate = store  # type: ignore[attr-defined] (fs.store wraps it)
     return filesystem
+
+
+@pytest.fixture
+async def fs(tmp_path, nursery):
+    return _started(tmp_path, nursery)
 
 
 async def _write(fs, name: bytes, data: bytes) -> int:
@@ -179,15 +188,9 @@ async def test_a_file_replaced_while_its_object_is_in_flight_leaves_no_object(fs
 async def test_a_streamed_file_truncated_while_its_upload_completes(tmp_path, nursery):
     """The completion owns the upload: a truncate then does not send an abort
     beside the CompleteMultipartUpload; the truncated file replaces what landed."""
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    metadata_ttl=60, promote_delay=0, multipart_threshold=5 * MiB,
-                    part_size=5 * MiB, stream_large_files="true")
-    store = GatedStore(str(tmp_path / "lake"))
-    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
-    fs.start(nursery)
+    fs = _started(tmp_path, nursery, multipart_threshold=5 * MiB, part_size=5 * MiB,
+                  stream_large_files="true")
+    store = fs.gate
     store.holds = lambda key: key == "big"
     store.closed = True  # completions of "big" wait at the gate
     fh, inode = await fs.create(ROOT_INO, b"big", 0o644, os.O_WRONLY, 0, 0)
@@ -213,15 +216,8 @@ async def test_sync_waits_for_the_upload_of_a_file_deleted_while_it_was_in_fligh
     in flight is no longer pending, but what lands under its old key is no
     one's: a sync must not return before that object is deleted (fsx seed 13
     found a deleted file's 5.8 MB multipart object in the lake after a sync)."""
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    metadata_ttl=60, promote_delay=0, pack_wait=0.05,
-                    multipart_threshold=5 * MiB, part_size=5 * MiB)
-    store = GatedStore(str(tmp_path / "lake"))
-    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
-    fs.start(nursery)
+    fs = _started(tmp_path, nursery, multipart_threshold=5 * MiB, part_size=5 * MiB)
+    store = fs.gate
     await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
     d = (await fs.lookup(ROOT_INO, b"d")).ino
     await _sync(fs)
@@ -271,21 +267,29 @@ class CopyGatedStore(GatedStore):
         return await super().copy(src, dst, metadata)
 
 
+@contextlib.asynccontextmanager
+async def _renaming(fs, old: bytes, new: bytes, held_at: str) -> AsyncIterator[None]:
+    """The block runs while a rename of ``old`` to ``new`` (in the root) waits
+    in its server-side copy of ``held_at``; the copy goes on as it ends."""
+    store = fs.gate
+    store.copy_holds = lambda key: key == held_at
+    async with trio.open_nursery() as inner:
+        inner.start_soon(fs.rename, ROOT_INO, old, ROOT_INO, new, 0)
+        with trio.fail_after(30):
+            await store.copy_entered.wait()
+        yield
+        store.copies_go.set()
+
+
 async def test_an_upload_landing_during_a_directory_rename_leaves_no_object(tmp_path, nursery):
     """A file's upload completes while its directory's rename copies the rest
     (after the rename listed the lake), and the file changed meanwhile: the
     promoter records the landed object's ETag and promotes again; the rename
     must then delete the object under the old key, not forget it (fsx seed 13:
     d/a/e stayed in the lake after the directory d was renamed)."""
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    metadata_ttl=60, promote_delay=0, pack_wait=0.05,
-                    multipart_threshold=5 * MiB, part_size=5 * MiB)
-    store = CopyGatedStore(str(tmp_path / "lake"))
-    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
-    fs.start(nursery)
+    fs = _started(tmp_path, nursery, CopyGatedStore, multipart_threshold=5 * MiB,
+                  part_size=5 * MiB)
+    store = fs.gate
     d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
     fh, _ = await fs.create(d, b"b", 0o644, os.O_WRONLY, 0, 0)
     await fs.write(fh, 0, b"B" * (2 * MiB))
@@ -301,20 +305,11 @@ async def test_an_upload_landing_during_a_directory_rename_leaves_no_object(tmp_
     fh, _ = await fs.open(inode.ino, os.O_WRONLY, 0)
     await fs.write(fh, 0, b"2" * MiB)  # changed while it completes
     fs.release(fh)
-    store.copy_holds = lambda key: key == "d/b"
-
-    async def rename() -> None:
-        await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
-
-    async with trio.open_nursery() as inner:
-        inner.start_soon(rename)
-        with trio.fail_after(30):
-            await store.copy_entered.wait()  # the rename listed d/ (no d/a yet)
+    async with _renaming(fs, b"d", b"e", held_at="d/b"):  # it listed d/ (no d/a yet)
         store.open()  # d/a lands; the promoter records its ETag, d/a pending again
         with trio.fail_after(30):
             while not fs.meta.get(inode.ino).etag:
                 await trio.sleep(0.01)
-        store.copies_go.set()
     await _sync(fs)
     assert _lake_files(tmp_path) == {"e/a": b"2" * MiB + b"1" * (5 * MiB),
                                      "e/b": b"B" * (2 * MiB)}
@@ -359,33 +354,17 @@ async def test_a_file_whose_pack_lands_while_a_rename_replaces_it(tmp_path, nurs
     record in the pack index is deleted with it, or the name keeps the
     replaced bytes in the lake (fsx seed 15: a stale record for e/b/f/c/f/a
     travelled through eleven directory renames and showed up as c/a/f/a)."""
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", block_size=MiB, cache_size=64 * MiB,
-                    metadata_ttl=60, promote_delay=0, pack_wait=0.05)
-    store = CopyGatedStore(str(tmp_path / "lake"))
-    fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
-    fs.start(nursery)
-    fs.gate = store  # type: ignore[attr-defined]
+    fs = _started(tmp_path, nursery, CopyGatedStore)
+    store = fs.gate
     await _write(fs, b"y", b"Y" * (2 * MiB))  # an object of its own: the rename copies it
     await _sync(fs)
     await _pack_in_flight(fs, {b"x": b"small x" * 100})
-    store.copy_holds = lambda key: key == "y"
-
-    async def rename() -> None:
-        await fs.rename(ROOT_INO, b"y", ROOT_INO, b"x", 0)
-
-    async with trio.open_nursery() as inner:
-        inner.start_soon(rename)
-        with trio.fail_after(30):
-            await store.copy_entered.wait()  # the rename looked at x, then began the copy
+    async with _renaming(fs, b"y", b"x", held_at="y"):  # it looked at x, then began the copy
         x = (await fs.lookup(ROOT_INO, b"x")).ino
         store.open()  # x's pack lands: x is packed now
         with trio.fail_after(30):
             while not fs.meta.get(x).packed:
                 await trio.sleep(0.01)
-        store.copies_go.set()
     await _sync(fs)
     assert _lake_files(tmp_path) == {"x": b"Y" * (2 * MiB)}
     fh, _ = await fs.open((await fs.lookup(ROOT_INO, b"x")).ino, os.O_WRONLY, 0)

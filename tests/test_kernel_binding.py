@@ -275,16 +275,23 @@ def test_a_direct_writer_is_streamed_and_a_rewrite_after_a_part_is_caught(
     assert ("part 1 was rewritten after it was sent" in m.log_text()) == rewrite
 
 
-def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -> None:
-    """A read whose bytes the lake has not sent yet waits alone: creates,
-    reads and listings of other files are answered meanwhile (the reader
-    hands its role on when a handler waits), and the read ends right."""
-    bucket = f"aifs-wait-{uuid.uuid4().hex[:12]}"
+def proxied_lake(moto_server, tag: str) -> tuple[Lake, FaultProxy]:
+    """A bucket of its own on the moto server, reached through a fault proxy
+    (no faults; its ``replies`` gate holds the lake's answers when cleared)."""
+    bucket = f"aifs-{tag}-{uuid.uuid4().hex[:12]}"
     moto_server.client.create_bucket(Bucket=bucket)
     proxy = FaultProxy(int(moto_server.endpoint.rsplit(":", 1)[1]), 0.0, 1)
     lake = Lake("moto", f"s3://{bucket}/data", moto_server.env,
                 ["--endpoint-url", proxy.endpoint], server=moto_server, bucket=bucket,
                 prefix="data/")
+    return lake, proxy
+
+
+def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -> None:
+    """A read whose bytes the lake has not sent yet waits alone: creates,
+    reads and listings of other files are answered meanwhile (the reader
+    hands its role on when a handler waits), and the read ends right."""
+    lake, proxy = proxied_lake(moto_server, "wait")
     data = os.urandom(3 * MiB)
     lake.put("slow/big.bin", data)
     m = None
@@ -332,12 +339,7 @@ def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> 
     once the lake answers, finds the file. (A read through the page cache
     is the kernel's readahead, which no signal but SIGKILL cuts short, as on
     a local disk.)"""
-    bucket = f"aifs-intr-{uuid.uuid4().hex[:12]}"
-    moto_server.client.create_bucket(Bucket=bucket)
-    proxy = FaultProxy(int(moto_server.endpoint.rsplit(":", 1)[1]), 0.0, 1)
-    lake = Lake("moto", f"s3://{bucket}/data", moto_server.env,
-                ["--endpoint-url", proxy.endpoint], server=moto_server, bucket=bucket,
-                prefix="data/")
+    lake, proxy = proxied_lake(moto_server, "intr")
     lake.put("slow/f.bin", b"twelve bytes")
     m = None
     try:
