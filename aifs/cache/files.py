@@ -203,11 +203,12 @@ class LocalFiles:
             raise
         return name, fd
 
-    def install(self, ino: int, name: str, fd: int) -> None:
-        """Make a file from :meth:`filled` the copy of ``ino`` (which has none)."""
+    def install(self, ino: int, name: str, fd: int, size: int) -> None:
+        """Make a file from :meth:`filled` (``size`` bytes) the copy of ``ino``
+        (which has none); if the rename fails nothing changed."""
         os.rename(name, self.path(ino))
         self._fds[ino] = fd
-        self._account(ino, os.fstat(fd).st_size)
+        self._account(ino, size)
         self._close_extra()
 
     @staticmethod

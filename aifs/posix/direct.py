@@ -32,6 +32,7 @@ import trio
 from aifs.cache.blocks import ObjectVersion
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
+from aifs.errors import FsError, LakeError
 from aifs.meta.store import Inode, MetaStore
 from aifs.posix.inodes import Inodes, OpenFile
 from aifs.posix.reads import Reads
@@ -141,7 +142,10 @@ class Direct:
                 if not self.reads.cached_whole(version):
                     continue  # evicted meanwhile: not worth a read from the lake
                 reader = OpenFile(ino, version, Readahead(0, 0), False)
-                batch.append((ino, version, await self.reads.whole(reader)))
+                try:
+                    batch.append((ino, version, await self.reads.whole(reader)))
+                except (FsError, LakeError, OSError) as exc:  # evicted and the lake failed
+                    log.debug("no local copy of inode %d: %s", ino, exc)
             if not batch:
                 continue
             files = await trio.to_thread.run_sync(
@@ -153,7 +157,12 @@ class Direct:
                 if len(data) != version.size or not self._admissible(ino, version):
                     self.local.discard(name, fd)  # changed meanwhile: not this copy
                     continue
-                self.local.install(ino, name, fd)
+                try:
+                    self.local.install(ino, name, fd, len(data))
+                except OSError as exc:
+                    log.debug("no local copy of inode %d: %s", ino, exc)
+                    self.local.discard(name, fd)
+                    continue
                 self.local.mark_clean(ino)
                 self.inodes.counters.admitted += 1
 
