@@ -373,3 +373,39 @@ async def test_a_file_whose_pack_lands_while_a_rename_replaces_it(tmp_path, nurs
     await fs.unlink(ROOT_INO, b"x")
     await _sync(fs)
     assert _lake_files(tmp_path) == {}
+
+
+class DeleteGatedStore(GatedStore):
+    """Also holds deletes until ``deletes_go`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.deletes_go = trio.Event()
+
+    async def delete_many(self, keys):
+        await self.deletes_go.wait()
+        return await super().delete_many(keys)
+
+
+async def test_a_file_shrunk_into_a_pack_is_no_other_writers_change(tmp_path, nursery,
+                                                                    caplog):
+    """A file whose object this node wrote shrinks into a pack: until the
+    object's delete is done, the lake still has it. That is this node's own
+    old copy, not another writer's change: the check before the next upload
+    must not say the lake changed; an object another tool put there does."""
+    fs = _started(tmp_path, nursery, DeleteGatedStore)
+    ino = await _write(fs, b"a", b"A" * (2 * MiB))
+    await _sync(fs)  # an object of its own
+    await fs.setattr(ino, SetAttributes(size=1000))
+    with trio.fail_after(30):  # packed; the old object's delete waits at the gate
+        while fs.meta.get(ino).pending or not fs.meta.get(ino).packed:
+            await trio.sleep(0.01)
+    assert (tmp_path / "lake" / "a").exists()
+    await fs.promoter.uploads.warn_if_replaced(fs.meta.get(ino))
+    assert "changed in the lake" not in caplog.text
+    fs.gate.deletes_go.set()
+    await _sync(fs)
+    assert not (tmp_path / "lake" / "a").exists()
+    (tmp_path / "lake" / "a").write_bytes(b"another tool's")
+    await fs.promoter.uploads.warn_if_replaced(fs.meta.get(ino))
+    assert "a changed in the lake since this node read it" in caplog.text

@@ -211,7 +211,9 @@ class Uploads:
             current = await self.store.head(inode.key)
         except ObjectNotFound:
             return
-        if current.etag != expected:
+        if current.etag != expected and not self.meta.tombstoned(inode.key):
+            # (tombstoned: the lake still holds this node's own old object,
+            # its delete on the way, as when a file shrank into a pack)
             log.warning("%s changed in the lake since this node read it; this node's "
                         "version replaces it", inode.key)
 
