@@ -368,15 +368,18 @@ def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> 
         proxy.close()
 
 
-def test_another_nodes_changes_reach_the_kernels_caches_once_listed(lake, mounter) -> None:
+@pytest.mark.parametrize("binding", ["kernel", "pyfuse3"])
+def test_another_nodes_changes_reach_the_kernels_caches_once_listed(lake, mounter,
+                                                                    binding) -> None:
     """The kernel keeps names and attributes for the listing TTL. Once a
     listing refresh finds another node's change (a file rewritten, a file
     added where this node was told there was none, a file removed), the
     kernel is told to drop what it holds: the change shows at once, not a
     TTL later, when what the kernel cached from the stale answers expires."""
     ttl = 2.0
-    a = kernel_mount(lake, mounter, "--metadata-ttl", str(ttl), name="a")
-    b = kernel_mount(lake, mounter, "--metadata-ttl", str(ttl), name="b")
+    options = ("--fuse-binding", binding, "--metadata-ttl", str(ttl))
+    a = mounter(lake, *options, name="a")
+    b = mounter(lake, *options, name="b")
     (b.path / "d").mkdir()
     (b.path / "d/f").write_bytes(b"1")
     (b.path / "d/h").write_bytes(b"here")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from typing import TYPE_CHECKING, Protocol
 
 from aifs.config import Config
@@ -43,6 +45,7 @@ class Pyfuse3Binding:
         self.fs = fs
         self.mountpoint = mountpoint
         self.options = options
+        self._replaced: queue.SimpleQueue[int | None] = queue.SimpleQueue()
 
     def mount(self) -> None:
         import pyfuse3
@@ -52,6 +55,28 @@ class Pyfuse3Binding:
             pyfuse3.init(Operations(self.fs), self.mountpoint, self.options)
         except RuntimeError as exc:
             raise ConfigError(f"cannot mount on {self.mountpoint}: {exc}") from None
+        # What other writers changed leaves the kernel's caches at once (as
+        # with the kernel binding: aifs/fuse/kernel/notify.py). libfuse sends
+        # entry notices from a thread of its own; an inode's may block, so it
+        # gets one of ours.
+        threading.Thread(target=self._invalidate_inodes, name="aifs-notify",
+                         daemon=True).start()
+        self.fs.on_lake_changes(self._changed)
+
+    def _changed(self, parent: int, names: list[bytes], inodes: list[int]) -> None:
+        import pyfuse3
+        for name in names:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        for ino in inodes:
+            self._replaced.put(ino)
+
+    def _invalidate_inodes(self) -> None:
+        import pyfuse3
+        while (ino := self._replaced.get()) is not None:
+            try:
+                pyfuse3.invalidate_inode(ino)
+            except OSError:  # the kernel holds nothing of it
+                pass
 
     async def serve(self) -> None:
         import pyfuse3
@@ -63,6 +88,8 @@ class Pyfuse3Binding:
 
     def unmount(self) -> None:
         import pyfuse3
+        self.fs.on_lake_changes(None)
+        self._replaced.put(None)
         pyfuse3.close(unmount=True)
 
 
