@@ -151,10 +151,12 @@ def test_a_store_of_schema_2_opens_with_its_dirty_data(tmp_path):
     env = lmdb.open(str(path), max_dbs=20)  # written back as schema 2 had it
     inodes, sys_db = env.open_db(b"inode"), env.open_db(b"sys")
     with env.begin(write=True) as txn:
-        raw = json.loads(txn.get(u64(plain.ino), db=inodes))
-        raw["mode"] = 0
-        raw.pop("atime_ns", None), raw.pop("rdev", None)  # (schema 2 had neither)
-        txn.put(u64(plain.ino), json.dumps(raw).encode(), db=inodes)
+        for inode in (dirty, plain):
+            raw = _schema_3_record(inode)
+            if inode is plain:
+                raw["mode"] = 0
+            raw.pop("atime_ns", None), raw.pop("rdev", None)  # (schema 2 had neither)
+            txn.put(u64(inode.ino), json.dumps(raw).encode(), db=inodes)
         txn.put(b"schema", b"2", db=sys_db)
     env.close()
     meta = MetaStore(path)
@@ -162,6 +164,52 @@ def test_a_store_of_schema_2_opens_with_its_dirty_data(tmp_path):
     assert meta.get(dirty.ino).mode == 0o600 and meta.get(dirty.ino).size == 5
     assert meta.get(plain.ino).mode == -1
     assert meta.lookup(1, b"plain.bin").ino == plain.ino
+    meta.close()
+
+
+def _schema_3_record(inode: Inode) -> dict:
+    """An inode record as schema 3 and older stored it: an object of the
+    fields not at their defaults."""
+    full = Inode(0, "file", "", 0).__dict__
+    return {name: value for name, value in inode.__dict__.items()
+            if name in ("ino", "kind", "key", "parent") or value != full[name]}
+
+
+def test_a_store_of_schema_3_opens_with_its_records_made_compact(tmp_path):
+    """Schema 3 stored each inode as a JSON object with its field names; now
+    the common fields go in a list: a store of schema 3 opens with every
+    record, dirty ones above all, and each takes less room."""
+    import json
+
+    import lmdb
+
+    from aifs.meta.store import DATA, DIR, FILE, MetaStore, u64
+    path = tmp_path / "meta"
+    meta = MetaStore(path)
+    made = [meta.create(1, b"dirty.bin", Inode(0, FILE, "dirty.bin", 1, size=5, pending=DATA,
+                                                 mode=0o600, xattrs={"user.k": "dg=="})),
+            meta.create(1, b"d", Inode(0, DIR, "d/", 1, mode=0o750)),
+            meta.create(1, b"plain.bin", Inode(0, FILE, "plain.bin", 1, size=9, etag='"e"',
+                                               mtime_ns=12345))]
+    meta.close()
+    env = lmdb.open(str(path), max_dbs=20)
+    inodes, sys_db = env.open_db(b"inode"), env.open_db(b"sys")
+    with env.begin(write=True) as txn:
+        old_sizes = {}
+        for inode in made:
+            raw = json.dumps(_schema_3_record(inode), separators=(",", ":")).encode()
+            old_sizes[inode.ino] = len(raw)
+            txn.put(u64(inode.ino), raw, db=inodes)
+        txn.put(b"schema", b"3", db=sys_db)
+    env.close()
+    meta = MetaStore(path)
+    for inode in made:
+        assert meta.get(inode.ino) == inode
+    assert [i.ino for i in meta.pending_inodes()] == [made[0].ino]
+    assert meta.subdir_count(1) == 1
+    with meta.env.begin() as txn:
+        for inode in made:
+            assert len(txn.get(u64(inode.ino), db=meta.inodes)) < old_sizes[inode.ino]
     meta.close()
 
 

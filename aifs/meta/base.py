@@ -125,7 +125,7 @@ class StoreBase:
                     f"metadata in {path} has schema {version.decode(errors='replace')}, "
                     f"which this aifs cannot read (it reads {SCHEMA_VERSION.decode()}); "
                     "nothing was changed: mount it with the aifs that wrote it")
-            migrate(env, version)
+            migrate(env, version, lambda record: Inode(**record).encode())
         return env
 
     def node_id(self) -> str:

@@ -74,12 +74,18 @@ class Inode:
     nlink_hint: int = 0  # st_nlink the lake's metadata told, before all names were seen
 
     def encode(self) -> bytes:
-        """The record as stored: fields at their defaults are left out (most
-        are, for a listed object: a third of the bytes of a full record), and
-        ``decode`` gives them back."""
-        return compact_json({name: value for name, value in self.__dict__.items()
-                             if name not in _INODE_DEFAULTS
-                             or value != _INODE_DEFAULTS[name]}).encode()
+        """The record as stored: a JSON list of the fields every inode has
+        (:data:`_HEAD`, the kind as one letter), then, if any, an object of the
+        others that are not at their defaults (most are not, for a listed
+        object): no field names for the common ones, ``decode`` gives all back."""
+        values = self.__dict__
+        record: list[object] = [values[name] for name in _HEAD]
+        record[1] = _KIND_CODES.get(self.kind, self.kind)
+        rest = {name: value for name, value in values.items()
+                if name not in _HEAD_SET and value != _INODE_DEFAULTS[name]}
+        if rest:
+            record.append(rest)
+        return compact_json(record).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Inode:
@@ -91,7 +97,12 @@ class Inode:
         key = bytes(raw)
         known = _DECODED.get(key)
         if known is None:
-            known = cls(**json.loads(key))
+            record = json.loads(key)
+            if isinstance(record, dict):  # schema 3 and older (migrate re-encodes them)
+                known = cls(**record)
+            else:
+                known = cls(*record[:7], **(record[7] if len(record) > 7 else {}))
+                known.kind = _KINDS.get(known.kind, known.kind)
             if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
                 for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
                     del _DECODED[old]
@@ -130,7 +141,18 @@ class Inode:
         return bool(self.etag)
 
 
+def record_is_dir(raw: bytes | memoryview) -> bool:
+    """Whether a stored record (:meth:`Inode.encode`) is a directory's, unparsed."""
+    head = bytes(raw[:32])
+    return head[head.find(b",") + 1:].startswith(b'"d",')
+
+
 _DECODED: dict[bytes, Inode] = {}
+#: the fields every stored record holds, in this order, without their names
+_HEAD = ("ino", "kind", "key", "parent", "size", "etag", "mtime_ns")
+_HEAD_SET = frozenset(_HEAD)
+_KIND_CODES = {FILE: "f", DIR: "d", LINK: "l", FIFO: "p", CHR: "c", BLK: "b", SOCK: "s"}
+_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 #: fields left out of a stored record when they hold these values
 _INODE_DEFAULTS: dict[str, object] = {
     f.name: f.default_factory() if f.default_factory is not MISSING else f.default

@@ -80,6 +80,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import lmdb
 import xxhash
@@ -122,9 +124,12 @@ SYS_NODE = b"node"
 SYS_SCHEMA = b"schema"
 SYS_PACKS_REPLAYED_AT = b"packs_replayed_at"
 
-SCHEMA_VERSION = b"3"
+SCHEMA_VERSION = b"4"
 #: what each older schema needs to become the current one (see ``migrate``)
-MIGRATIONS = {b"2": "mode 0 meant 'the default for the kind': that is -1 now"}
+MIGRATIONS = {
+    b"2": "mode 0 meant 'the default for the kind': that is -1 now; inode records compact",
+    b"3": "inode records compact (a list of the common fields, not an object)",
+}
 
 # -- encodings ----------------------------------------------------------------
 #: JSON without spaces; one encoder for all (json.dumps with options builds one per call)
@@ -168,9 +173,11 @@ class SchemaError(AifsError):
     """The store was written by an aifs whose schema this one cannot migrate."""
 
 
-def migrate(env: lmdb.Environment, version: bytes) -> None:
+def migrate(env: lmdb.Environment, version: bytes,
+            encode: Callable[[dict[str, Any]], bytes]) -> None:
     """Bring a store of an older schema up to date in one transaction: every
-    record is kept (dirty data above all), only its form changes."""
+    record is kept (dirty data above all), only its form changes. ``encode``
+    stores an inode record (the fields as schema 3 named them) as now."""
     log.info("metadata schema %s -> %s: %s", version.decode(), SCHEMA_VERSION.decode(),
              MIGRATIONS[version])
     inodes = env.open_db(DB_INODE)
@@ -179,9 +186,11 @@ def migrate(env: lmdb.Environment, version: bytes) -> None:
         updates = []
         for key, raw in txn.cursor(db=inodes):
             record = json.loads(bytes(raw))
-            if record.get("mode", 0) == 0:
+            if not isinstance(record, dict):
+                continue  # (written as now)
+            if version == b"2" and record.get("mode", 0) == 0:
                 record["mode"] = -1
-                updates.append((bytes(key), compact_json(record).encode()))
+            updates.append((bytes(key), encode(record)))
         for key, raw in updates:
             txn.put(key, raw, db=inodes)
         txn.put(SYS_SCHEMA, SCHEMA_VERSION, db=sys_db)

@@ -47,6 +47,7 @@ from aifs.meta.inode import (
     SPECIAL,
     Inode,
     Listed,
+    record_is_dir,
     valid_name,
 )
 from aifs.meta.listing import ListingMixin
@@ -142,12 +143,11 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
 
     def subdir_count(self, parent: int) -> int:
         """How many children of ``parent`` are directories."""
-        dir_kind = b'"kind":"dir"'
         with self.env.begin() as txn:
             count = 0
             for _, value in self._children(parent, txn):
                 raw = txn.get(value[:8], db=self.inodes)
-                if raw is not None and dir_kind in raw:
+                if raw is not None and record_is_dir(raw):
                     count += 1
         return count
 
