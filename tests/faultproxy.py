@@ -61,6 +61,7 @@ class FaultProxy:
         self.replies = threading.Event()
         self.replies.set()
         self.held = 0
+        self.held_lines: list[bytes] = []  # the request line of each reply held
         self._stop = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -112,6 +113,7 @@ class FaultProxy:
                         return
                     if phase != "request":  # a new exchange
                         phase, sent = "request", 0
+                        line = data.split(b"\r\n", 1)[0]  # "GET /bucket/key?... HTTP/1.1"
                         fault, cut = self._draw(), self._cut()
                         if fault == "before":
                             _reset(client)
@@ -125,6 +127,7 @@ class FaultProxy:
                     if not self.replies.is_set():
                         with self.lock:
                             self.held += 1
+                            self.held_lines.append(line)
                         self.replies.wait(60)
                     if fault == "after":
                         _reset(client)

@@ -332,37 +332,66 @@ def test_a_request_waiting_on_the_lake_holds_up_no_other(moto_server, mounter) -
         proxy.close()
 
 
+def held_list_of(proxy: FaultProxy, directory: bytes) -> bool:
+    """Whether the proxy holds the reply to a LIST of ``directory``/ (its
+    prefix in the query, as aifs sends it: URL-encoded)."""
+    return any(b"list-type=2" in line and b"prefix=data%2F" + directory + b"%2F" in line
+               for line in proxy.held_lines)
+
+
+STAT_IN_C = """
+import ctypes, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+signal.signal(signal.SIGUSR1, lambda *_: None)  # a signal the program handles and goes on
+result = libc.stat(sys.argv[1].encode(), ctypes.create_string_buffer(256))
+print(result, ctypes.get_errno())  # (libc's stat, as C calls it: no retry on EINTR)
+"""
+
+
 def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> None:
-    """A program interrupted (SIGINT) while its stat waits on the lake (a
-    directory not listed yet, a lake that does not answer) stops at once
-    instead of when the lake answers; the mount goes on, and the same stat,
-    once the lake answers, finds the file. (A read through the page cache
-    is the kernel's readahead, which no signal but SIGKILL cuts short, as on
-    a local disk.)"""
+    """A program interrupted by Ctrl-C (SIGINT) while its stat waits on the
+    lake (a directory not listed yet, a lake that does not answer) stops at
+    once instead of when the lake answers. A signal a program handles and
+    goes on from (here SIGUSR1) does not fail its stat with EINTR, which no
+    local filesystem does. The mount goes on, and the same stat, once the lake
+    answers, finds the file. (A read through the page cache is the kernel's
+    readahead, which no signal but SIGKILL cuts short, as on a local disk.)"""
     lake, proxy = proxied_lake(moto_server, "intr")
     lake.put("slow/f.bin", b"twelve bytes")
+    lake.put("other/g.bin", b"g")
     m = None
+    programs: list[subprocess.Popen] = []
     try:
         m = kernel_mount(lake, mounter)
-        assert os.listdir(m.path) == ["slow"]  # the root listed before the lake stalls
+        assert sorted(os.listdir(m.path)) == ["other", "slow"]  # listed before the lake stalls
         proxy.replies.clear()
-        program = subprocess.Popen(
-            [sys.executable, "-c", "import os, sys; os.stat(sys.argv[1])",
-             str(m.path / "slow/f.bin")], stderr=subprocess.PIPE, text=True)
-        try:
-            wait_for(lambda: proxy.held, 30, "the listing to reach the lake")
-            program.send_signal(signal.SIGINT)
-            _, err = program.communicate(timeout=10)  # (not answered: waits for the lake)
-        finally:
-            program.kill()
-            program.wait()
-        assert program.returncode != 0 and "KeyboardInterrupt" in err, err
-        assert proxy.held  # it stopped while the lake still held the reply
+        going_on = subprocess.Popen([sys.executable, "-c", STAT_IN_C,
+                                     str(m.path / "slow/f.bin")], stdout=subprocess.PIPE,
+                                    text=True)
+        programs.append(going_on)
+        wait_for(lambda: held_list_of(proxy, b"slow"), 30, "the LIST of slow/ to be held")
+        going_on.send_signal(signal.SIGUSR1)  # (its handler is in: it asked the lake since)
+        with pytest.raises(subprocess.TimeoutExpired):
+            going_on.wait(timeout=1)  # still waiting on the lake, not failed with EINTR
+        stopped = subprocess.Popen([sys.executable, "-c", "import os, sys; os.stat(sys.argv[1])",
+                                    str(m.path / "other/g.bin")], stderr=subprocess.PIPE,
+                                   text=True)
+        programs.append(stopped)
+        wait_for(lambda: held_list_of(proxy, b"other"), 30, "the LIST of other/ to be held")
+        stopped.send_signal(signal.SIGINT)
+        _, err = stopped.communicate(timeout=10)  # (not answered: waits for the lake)
+        assert stopped.returncode != 0 and "KeyboardInterrupt" in err, err
+        assert proxy.held and going_on.poll() is None  # the lake still held the reply
         proxy.replies.set()
+        out, _ = going_on.communicate(timeout=30)
+        assert out.split() == ["0", "0"]
         assert (m.path / "slow/f.bin").stat().st_size == 12
         assert (m.path / "slow/f.bin").read_bytes() == b"twelve bytes"
     finally:
         proxy.replies.set()
+        for program in programs:
+            program.kill()
+            program.wait()
         if m is not None:
             m.unmount()
         proxy.close()
@@ -403,3 +432,14 @@ def test_another_nodes_changes_reach_the_kernels_caches_once_listed(lake, mounte
     wait_for(shows, ttl / 2, "B's changes to show in A before A's caches expire")
     assert (a.path / "d/f").read_bytes() == b"22"
     assert (a.path / "d/g").read_bytes() == b"new"
+
+
+def test_the_daemon_finds_its_fuse_connection_to_end_it(lake, mounter) -> None:
+    # Unmount ends the connection (/sys/fs/fuse/connections/N/abort) when a
+    # kernel cache notice is stuck behind a request no one will answer; the
+    # number comes from /proc/self/mountinfo, never from a stat of the mount.
+    from aifs.fuse.kernel.mount import connection_id
+    m = kernel_mount(lake, mounter)
+    found = connection_id(str(m.path))
+    assert found == os.minor(os.stat(m.path).st_dev)
+    assert os.path.exists(f"/sys/fs/fuse/connections/{found}/abort")

@@ -190,8 +190,8 @@ class LocalFiles:
         """A file holding ``data``, to become the copy of ``ino`` by
         :meth:`install` (whole or not at all): a spare, else a new file.
         Blocking; safe in a worker thread."""
-        spare = self._take_spare()
-        name, fd = spare if spare is not None else (str(self.tmp_path(ino)), -1)
+        spare = self._take_spare()  # (not tmp_path: a materialization may be using it)
+        name, fd = spare if spare is not None else (f"{self._prefix}admit-{ino}", -1)
         try:
             if fd < 0:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -46,6 +46,7 @@ class Pyfuse3Binding:
         self.mountpoint = mountpoint
         self.options = options
         self._replaced: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._notices: threading.Thread | None = None
 
     def mount(self) -> None:
         import pyfuse3
@@ -59,8 +60,9 @@ class Pyfuse3Binding:
         # with the kernel binding: aifs/fuse/kernel/notify.py). libfuse sends
         # entry notices from a thread of its own; an inode's may block, so it
         # gets one of ours.
-        threading.Thread(target=self._invalidate_inodes, name="aifs-notify",
-                         daemon=True).start()
+        self._notices = threading.Thread(target=self._invalidate_inodes, name="aifs-notify",
+                                         daemon=True)
+        self._notices.start()
         self.fs.on_lake_changes(self._changed)
 
     def _changed(self, parent: int, names: list[bytes], inodes: list[int]) -> None:
@@ -84,12 +86,15 @@ class Pyfuse3Binding:
 
     def terminate(self) -> None:
         import pyfuse3
+        self.fs.on_lake_changes(None)  # no notices once requests are no longer read
         pyfuse3.terminate()
 
     def unmount(self) -> None:
         import pyfuse3
         self.fs.on_lake_changes(None)
         self._replaced.put(None)
+        if self._notices is not None:
+            self._notices.join(5)  # (none may use the session once it is closed)
         pyfuse3.close(unmount=True)
 
 
@@ -108,6 +113,7 @@ class KernelBinding:
         self.ops = Operations(fs, self.passthrough)
         self.session: Session | None = None
         self.notifier: Notifier | None = None
+        self.connection: int | None = None  # /sys/fs/fuse/connections/N
         self.fd = -1
 
     def mount(self) -> None:
@@ -116,6 +122,7 @@ class KernelBinding:
         self.fd = mount.mount(self.mountpoint, self.options)
         self.passthrough.devfd = self.fd
         from aifs.fuse.kernel.notify import Notifier
+        self.connection = mount.connection_id(self.mountpoint)
         self.notifier = Notifier(self.fd)
         self.fs.on_lake_changes(self.notifier.changed)
         self.session = Session(self.fd, self.ops, self.fs.forget, self.passthrough,
@@ -131,14 +138,18 @@ class KernelBinding:
             log.info("requests served: %s", self.session.summary())
 
     def terminate(self) -> None:
+        if self.notifier is not None:
+            self.notifier.stop()  # before the session stops reading (see Notifier.stop)
         if self.session is not None:
             self.session.terminate()
 
     def unmount(self) -> None:
         from aifs.fuse.kernel import mount
         self.fs.on_lake_changes(None)
-        if self.notifier is not None:
-            self.notifier.close()
+        if self.notifier is not None and not self.notifier.close() \
+                and self.connection is not None:
+            log.warning("a kernel cache notice is stuck; ending the FUSE connection")
+            mount.abort(self.connection)
         mount.unmount(self.mountpoint)
         if self.fd >= 0:
             os.close(self.fd)

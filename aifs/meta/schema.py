@@ -173,24 +173,39 @@ class SchemaError(AifsError):
     """The store was written by an aifs whose schema this one cannot migrate."""
 
 
+MIGRATE_CHUNK = 10_000  # inode records rewritten per transaction
+
+
 def migrate(env: lmdb.Environment, version: bytes,
             encode: Callable[[dict[str, Any]], bytes]) -> None:
-    """Bring a store of an older schema up to date in one transaction: every
-    record is kept (dirty data above all), only its form changes. ``encode``
-    stores an inode record (the fields as schema 3 named them) as now."""
+    """Bring a store of an older schema up to date: every record is kept
+    (dirty data above all), only its form changes. ``encode`` stores an inode
+    record (the fields as schema 3 named them) as now. Records are rewritten
+    in transactions of :data:`MIGRATE_CHUNK` (a store of millions would
+    outgrow one), the schema set last: cut short, the next open goes on
+    (a record is read in either form)."""
     log.info("metadata schema %s -> %s: %s", version.decode(), SCHEMA_VERSION.decode(),
              MIGRATIONS[version])
     inodes = env.open_db(DB_INODE)
     sys_db = env.open_db(DB_SYS)
+    last: bytes | None = None
+    while True:
+        with env.begin(write=True) as txn:
+            cursor = txn.cursor(db=inodes)
+            found = cursor.first() if last is None else cursor.set_range(last)
+            if found and last is not None and cursor.key() == last:
+                found = cursor.next()
+            for _ in range(MIGRATE_CHUNK):
+                if not found:
+                    break
+                last = bytes(cursor.key())
+                record = json.loads(bytes(cursor.value()))
+                if isinstance(record, dict):  # (else written as now)
+                    if version == b"2" and record.get("mode", 0) == 0:
+                        record["mode"] = -1
+                    cursor.put(last, encode(record))
+                found = cursor.next()
+        if not found:
+            break
     with env.begin(write=True) as txn:
-        updates = []
-        for key, raw in txn.cursor(db=inodes):
-            record = json.loads(bytes(raw))
-            if not isinstance(record, dict):
-                continue  # (written as now)
-            if version == b"2" and record.get("mode", 0) == 0:
-                record["mode"] = -1
-            updates.append((bytes(key), encode(record)))
-        for key, raw in updates:
-            txn.put(key, raw, db=inodes)
         txn.put(SYS_SCHEMA, SCHEMA_VERSION, db=sys_db)

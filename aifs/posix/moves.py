@@ -10,7 +10,6 @@ promoter. Packed files move by records instead: a record under the new key
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import trio
 
@@ -38,7 +37,7 @@ class Moves:
         self.promoter = promoter
         self.checkpoints = checkpoints
 
-    def packed(self, old_key: str, new_key: str, is_dir: bool) -> None:
+    def packed(self, old_key: str, new_key: str, is_dir: bool, now: int) -> None:
         """Publish a rename of packed files: each gets a record under its new
         key (the same bytes) and a deletion under the old one. A packed copy
         made by ``aifs pack`` is dropped: its original was copied in the lake.
@@ -47,7 +46,9 @@ class Moves:
         the pack index may still name a file that was replaced while its pack
         was on the way (its bytes are no one's now), or an older version of a
         file changed since; those records are deleted, and the file's pending
-        upload writes the new key."""
+        upload writes the new key. ``now`` stamps the deletions; a moved record
+        is stamped just after (so it wins over a deletion of the target's
+        record stamped ``now`` too, whatever the clock does meanwhile)."""
         if is_dir:
             entries = self.packs.under(old_key)
         else:
@@ -55,7 +56,6 @@ class Moves:
             entries = [entry] if entry is not None else []
         if not entries:
             return
-        now = time.time_ns()
         records = []
         for entry in entries:
             records.append(deletion(entry.key, now))

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -112,3 +113,34 @@ def unmount(mountpoint: str) -> None:
             return
         log.warning("umount2 %s: %s", mountpoint, os.strerror(err))
     subprocess.run(["fusermount3", "-u", "-z", "-q", mountpoint], capture_output=True)
+
+
+def connection_id(mountpoint: str) -> int | None:
+    """The FUSE connection's number (``/sys/fs/fuse/connections/N``) of the
+    mount at ``mountpoint``, from /proc/self/mountinfo (no request to the
+    filesystem); None if it is not found."""
+    # (realpath of the mount itself would stat it: a request this very
+    # daemon must answer; its parent directory is not on the mount)
+    absolute = os.path.abspath(mountpoint)
+    wanted = os.path.join(os.path.realpath(os.path.dirname(absolute)),
+                          os.path.basename(absolute))
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as info:
+            for line in info:
+                fields = line.split()
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+                if point == wanted and " - fuse" in line:
+                    found = int(fields[2].split(":")[1])  # the last mount there wins
+    except (OSError, ValueError, IndexError):
+        return None
+    return found
+
+
+def abort(connection: int) -> None:
+    """End a FUSE connection: every request waiting on it fails at once."""
+    try:
+        with open(f"/sys/fs/fuse/connections/{connection}/abort", "w") as control:
+            control.write("1")
+    except OSError as exc:
+        log.warning("cannot abort FUSE connection %d: %s", connection, exc.strerror)

@@ -13,13 +13,17 @@ their own). Measured why (``docs/kernel-binding.md``): a ``trio.Lock`` taken
 per request and a scheduler pass per answer cost more than most handlers.
 
 INIT is answered here: what the kernel offers and aifs wants. FORGET and
-BATCH_FORGET are answered inline (no reply). INTERRUPT (a signal reached a
-program waiting on a request: Ctrl-C during a read the lake is slow to
-answer) is answered for the requests that change nothing (:data:`INTERRUPTIBLE`):
-the interrupted one gets EINTR at once, and its handler, left to finish
-(a fetch others may share), has its reply dropped (a LOOKUP's count is
-given back). A request that changes something is never cut short: it ends by
-itself, as on a local disk.
+BATCH_FORGET are answered inline (no reply). INTERRUPT comes for any signal
+that reaches a program waiting on a request; a local filesystem never fails
+a ``stat`` or a ``read`` with EINTR, so aifs answers EINTR only where the
+signal is one that stops the program (SIGINT, SIGTERM, SIGHUP, SIGQUIT,
+SIGKILL; not blocked or ignored) and only for requests that change nothing
+and are not READs (a READ may serve an mmap fault, which EINTR would turn
+into SIGBUS): Ctrl-C or ``kill`` of a program whose ``stat`` waits on a lake
+that does not answer ends it at once (even SIGKILL waits for a request the
+daemon has read). The handler is left to finish (a fetch others may share)
+and its late answer is dropped, a LOOKUP's count given back. Any other
+request ends by itself, as on a local disk.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
@@ -49,10 +54,14 @@ MAX_READAHEAD = 1 << 20
 MAX_PARTS = 64  # pieces of a reply written as they are; more are joined first
 FAIR_TURNS = 16  # requests a reader answers in a row before it lets other tasks run
 STOP_GRACE = 10.0  # seconds requests being answered may take once the session stops
-#: requests answered EINTR when interrupted: they change nothing (a LOOKUP's
-#: count is given back when its late answer is dropped)
-INTERRUPTIBLE = frozenset({p.LOOKUP, p.GETATTR, p.READLINK, p.READ, p.STATFS, p.GETXATTR,
+#: requests answered EINTR when a signal that stops the program interrupts
+#: them: they change nothing (a LOOKUP's count is given back when its late
+#: answer is dropped); not READ (an mmap fault would get SIGBUS)
+INTERRUPTIBLE = frozenset({p.LOOKUP, p.GETATTR, p.READLINK, p.STATFS, p.GETXATTR,
                            p.LISTXATTR, p.ACCESS, p.READDIR})
+#: signals that stop a program (bit n-1 for signal n, as /proc shows them)
+STOPPING = sum(1 << (sig - 1) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                          signal.SIGQUIT, signal.SIGKILL))
 
 
 class Session:
@@ -73,7 +82,7 @@ class Session:
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
-        self.pending: dict[int, int] = {}  # unique -> opcode of INTERRUPTIBLE requests served
+        self.pending: dict[int, int] = {}  # unique -> caller's pid, INTERRUPTIBLE requests served
         self.interrupted: set[int] = set()  # those answered EINTR: their answer is dropped
         self._workers: trio.Nursery | None = None
         os.set_blocking(fd, False)
@@ -207,7 +216,8 @@ class Session:
             return
         if opcode == p.INTERRUPT:
             (which,) = p.INTERRUPT_IN.unpack_from(body)
-            if which in self.pending and which not in self.interrupted:
+            caller = self.pending.get(which)
+            if caller is not None and which not in self.interrupted and _stopping(caller):
                 self.interrupted.add(which)
                 self._reply(which, errno.EINTR, b"")
             return
@@ -223,7 +233,7 @@ class Session:
             self._reply(unique, errno.ENOSYS, b"")
             return
         if opcode in INTERRUPTIBLE:
-            self.pending[unique] = opcode
+            self.pending[unique] = pid
         try:
             reply = await handler(Request(opcode, unique, nodeid, uid, gid, pid), body)
         except Exception as exc:
@@ -290,6 +300,21 @@ class Session:
             p.KERNEL_VERSION, min(minor, p.KERNEL_MINOR), MAX_READAHEAD, chosen & 0xFFFFFFFF,
             self.max_background, self.max_background * 3 // 4, MAX_WRITE, 1,
             MAX_WRITE // 4096, 0, chosen >> 32, 1 if self.passthrough.enabled else 0)
+
+
+def _stopping(pid: int) -> bool:
+    """Whether thread ``pid`` has a signal pending that stops its program."""
+    masks: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                name, _, value = line.partition(":")
+                if name in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn"):
+                    masks[name] = int(value, 16)
+    except (OSError, ValueError):
+        return False
+    pending = masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)
+    return bool(pending & STOPPING & ~(masks.get("SigBlk", 0) | masks.get("SigIgn", 0)))
 
 
 class _Watched:
