@@ -348,6 +348,13 @@ print(result, ctypes.get_errno())  # (libc's stat, as C calls it: no retry on EI
 """
 
 
+STAT_IN_PYTHON = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a job run with & has it ignored)
+os.stat(sys.argv[1])
+"""
+
+
 def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> None:
     """A program interrupted by Ctrl-C (SIGINT) while its stat waits on the
     lake (a directory not listed yet, a lake that does not answer) stops at
@@ -373,7 +380,7 @@ def test_ctrl_c_ends_a_stat_the_lake_is_slow_to_answer(moto_server, mounter) -> 
         going_on.send_signal(signal.SIGUSR1)  # (its handler is in: it asked the lake since)
         with pytest.raises(subprocess.TimeoutExpired):
             going_on.wait(timeout=1)  # still waiting on the lake, not failed with EINTR
-        stopped = subprocess.Popen([sys.executable, "-c", "import os, sys; os.stat(sys.argv[1])",
+        stopped = subprocess.Popen([sys.executable, "-c", STAT_IN_PYTHON,
                                     str(m.path / "other/g.bin")], stderr=subprocess.PIPE,
                                    text=True)
         programs.append(stopped)
