@@ -180,15 +180,20 @@ class LocalFiles:
         self._close_extra()
         return fd
 
-    def adopt(self, ino: int, tmp: Path) -> None:
-        """Install a fully written temporary file as the copy of ``ino``."""
+    def adopt(self, ino: int, tmp: Path | str, fd: int = -1, size: int = -1) -> None:
+        """Install a fully written temporary file as the copy of ``ino`` (if
+        the rename fails nothing changed); ``fd``, an open descriptor of it, is
+        kept as the copy's, and ``size`` spares a stat."""
         self._drop_fd(ino)
         os.rename(tmp, self.path(ino))
-        self._account(ino, os.stat(self.path(ino)).st_size)
+        self._account(ino, size if size >= 0 else os.stat(self.path(ino)).st_size)
+        if fd >= 0:
+            self._fds[ino] = fd
+            self._close_extra()
 
     def filled(self, ino: int, data: bytes) -> tuple[str, int]:
         """A file holding ``data``, to become the copy of ``ino`` by
-        :meth:`install` (whole or not at all): a spare, else a new file.
+        :meth:`adopt` (whole or not at all): a spare, else a new file.
         Blocking; safe in a worker thread."""
         spare = self._take_spare()  # (not tmp_path: a materialization may be using it)
         name, fd = spare if spare is not None else (f"{self._prefix}admit-{ino}", -1)
@@ -202,14 +207,6 @@ class LocalFiles:
             self.discard(name, fd)
             raise
         return name, fd
-
-    def install(self, ino: int, name: str, fd: int, size: int) -> None:
-        """Make a file from :meth:`filled` (``size`` bytes) the copy of ``ino``
-        (which has none); if the rename fails nothing changed."""
-        os.rename(name, self.path(ino))
-        self._fds[ino] = fd
-        self._account(ino, size)
-        self._close_extra()
 
     @staticmethod
     def discard(name: str, fd: int) -> None:

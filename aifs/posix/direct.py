@@ -33,10 +33,9 @@ from aifs.cache.blocks import ObjectVersion
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.meta.store import Inode, MetaStore
-from aifs.posix.inodes import Inodes, OpenFile
+from aifs.posix.inodes import Inodes
 from aifs.posix.reads import Reads
 from aifs.posix.writes import Writes
-from aifs.read.readahead import Readahead
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +116,12 @@ class Direct:
         just sent to this open gets none (a first epoch does not store its
         files twice)."""
         handle = self.inodes.files.get(fh)
-        if handle is None or handle.writable or not handle.cached_at_open:
+        if handle is None or not handle.cached_at_open:  # (set for small readers only)
             return
-        ino, version = handle.ino, handle.version
-        if ino in self._admissions or len(self._admissions) >= ADMIT_QUEUE \
-                or not 0 < version.size <= ADMIT_MAX or self.local.has(ino):
+        if handle.ino in self._admissions or len(self._admissions) >= ADMIT_QUEUE \
+                or self.local.has(handle.ino):
             return
-        self._admissions[ino] = version
+        self._admissions[handle.ino] = handle.version
         self._admitting.set()
 
     async def admit_queued(self) -> None:
@@ -138,13 +136,13 @@ class Direct:
                 version = self._admissions.pop(ino)
                 if not self._admissible(ino, version):
                     continue
-                if not self.reads.cached_whole(version):
-                    continue  # evicted meanwhile: not worth a read from the lake
-                reader = OpenFile(ino, version, Readahead(0, 0), False)
                 try:
-                    batch.append((ino, version, await self.reads.whole(reader)))
-                except Exception as exc:  # (evicted, and the lake failed): no copy, no harm
+                    data = await self.reads.cached(version)  # (None: evicted meanwhile)
+                except Exception as exc:  # no copy, no harm
                     log.debug("no local copy of inode %d: %s", ino, exc)
+                    continue
+                if data is not None:
+                    batch.append((ino, version, data))
             if not batch:
                 continue
             files = await trio.to_thread.run_sync(
@@ -153,11 +151,11 @@ class Direct:
                 if made is None:
                     continue
                 name, fd = made
-                if len(data) != version.size or not self._admissible(ino, version):
+                if not self._admissible(ino, version):
                     self.local.discard(name, fd)  # changed meanwhile: not this copy
                     continue
                 try:
-                    self.local.install(ino, name, fd, len(data))
+                    self.local.adopt(ino, name, fd, len(data))
                 except OSError as exc:
                     log.debug("no local copy of inode %d: %s", ino, exc)
                     self.local.discard(name, fd)

@@ -10,6 +10,7 @@ promoter. Packed files move by records instead: a record under the new key
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import trio
 
@@ -37,26 +38,28 @@ class Moves:
         self.promoter = promoter
         self.checkpoints = checkpoints
 
-    def packed(self, old_key: str, new_key: str, is_dir: bool, now: int) -> None:
+    def packed(self, old_key: str, new_key: str, is_dir: bool) -> None:
         """Publish a rename of packed files: each gets a record under its new
         key (the same bytes) and a deletion under the old one. A packed copy
         made by ``aifs pack`` is dropped: its original was copied in the lake.
+        A file replaced by the rename loses its packed record (asked here,
+        after the rename's copy in the lake: its pack may have landed during
+        it); the source's, if it moves, is stamped after that deletion.
 
         A record moves only when the renamed file's lake copy IS that record:
         the pack index may still name a file that was replaced while its pack
         was on the way (its bytes are no one's now), or an older version of a
         file changed since; those records are deleted, and the file's pending
-        upload writes the new key. ``now`` stamps the deletions; a moved record
-        is stamped just after (so it wins over a deletion of the target's
-        record stamped ``now`` too, whatever the clock does meanwhile)."""
+        upload writes the new key."""
+        now = time.time_ns()  # the deletions; a moved record is stamped now + 1
+        records = []
         if is_dir:
             entries = self.packs.under(old_key)
         else:
             entry = self.packs.entry(old_key)
             entries = [entry] if entry is not None else []
-        if not entries:
-            return
-        records = []
+            if self.packs.entry(new_key) is not None:  # the replaced file's
+                records.append(deletion(new_key, now))
         for entry in entries:
             records.append(deletion(entry.key, now))
             if entry.origin:

@@ -259,13 +259,7 @@ class Namespace:
             tombstones, etags = await self.moves.in_lake(source, new_key)
         moved, replaced = self.meta.rename(old_parent, old_name, new_parent, new_name,
                                            new_key, tombstones, etags, self.local.has)
-        now = time.time_ns()
-        if not source.is_dir and self.packer.index.entry(new_key) is not None:
-            # The replaced file's packed copy (asked now, not before the copy
-            # above: its pack may have landed meanwhile) goes; a packed source's
-            # record moves in after it (stamped now + 1, see Moves.packed).
-            self.packer.queue_records([deletion(new_key, now)])
-        self.moves.packed(source.key, new_key, source.is_dir, now)
+        self.moves.packed(source.key, new_key, source.is_dir)
         if source.is_dir:  # descendants to upload again under their new keys
             for inode in self.meta.pending_inodes():
                 if inode.pending & DATA and inodes.is_under(inode, moved.ino):

@@ -77,6 +77,21 @@ class Reads:
         """All the bytes of the version ``handle`` reads (not counted as a read)."""
         return bytes(await self._read(handle, 0, handle.version.size))
 
+    async def cached(self, version: ObjectVersion) -> bytes | None:
+        """All the bytes of ``version`` from the block cache (a packed file's
+        verified), or None if it does not hold them all: no lake request, no
+        read counted, no open of its pack seen (scan detection) or prefetched."""
+        if not self.cached_whole(version):
+            return None
+        if not version.source:
+            return await self._span(version, 0, version.size)
+        whole = self.pack_version(version)
+        if whole is None:
+            return None
+        data = await self._span(whole, version.base, version.size)
+        verify(data, version.etag, version.key)
+        return data
+
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self.inodes.files.get(fh)
         if handle is None:
@@ -145,15 +160,20 @@ class Reads:
                 self.fetcher.prefetch(whole, 0, self.fetcher.blocks_of(whole) - 1)
             if scanning or version.policy == DATASET or all(
                     self.fetcher.available(whole, i) for i in range(first, last + 1)):
-                pieces = []
-                for index in range(first, last + 1):
-                    lo = max(version.base, index * bs) - index * bs
-                    hi = min(version.base + version.size, (index + 1) * bs) - index * bs
-                    pieces.append(bytes(await self.fetcher.read(whole, index, lo, hi)))
-                data = b"".join(pieces)
+                data = await self._span(whole, version.base, version.size)
                 verify(data, version.etag, version.key)
                 return data
         return bytes(await self.fetcher.read(version, 0, 0, version.size))
+
+    async def _span(self, source: ObjectVersion, start: int, size: int) -> bytes:
+        """Bytes [start, start + size) of ``source``, from its blocks."""
+        bs = self.block_size
+        pieces = []
+        for index in range(start // bs, (start + size - 1) // bs + 1):
+            lo = max(start, index * bs) - index * bs
+            hi = min(start + size, (index + 1) * bs) - index * bs
+            pieces.append(bytes(await self.fetcher.read(source, index, lo, hi)))
+        return b"".join(pieces)
 
     def _scanning(self, pack: str) -> bool:
         """Count an open of a file of ``pack``; True once several came in a row."""

@@ -59,6 +59,7 @@ STOP_GRACE = 10.0  # seconds requests being answered may take once the session s
 #: answer is dropped); not READ (an mmap fault would get SIGBUS)
 INTERRUPTIBLE = frozenset({p.LOOKUP, p.GETATTR, p.READLINK, p.STATFS, p.GETXATTR,
                            p.LISTXATTR, p.ACCESS, p.READDIR})
+INTERRUPTED = -1  # (Session.pending) answered EINTR
 #: signals that stop a program (bit n-1 for signal n, as /proc shows them)
 STOPPING = sum(1 << (sig - 1) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                           signal.SIGQUIT, signal.SIGKILL))
@@ -82,8 +83,9 @@ class Session:
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
-        self.pending: dict[int, int] = {}  # unique -> caller's pid, INTERRUPTIBLE requests served
-        self.interrupted: set[int] = set()  # those answered EINTR: their answer is dropped
+        #: unique -> caller's pid of the INTERRUPTIBLE requests being served;
+        #: INTERRUPTED once answered EINTR (their own answer is then dropped)
+        self.pending: dict[int, int] = {}
         self._workers: trio.Nursery | None = None
         os.set_blocking(fd, False)
 
@@ -216,9 +218,9 @@ class Session:
             return
         if opcode == p.INTERRUPT:
             (which,) = p.INTERRUPT_IN.unpack_from(body)
-            caller = self.pending.get(which)
-            if caller is not None and which not in self.interrupted and _stopping(caller):
-                self.interrupted.add(which)
+            caller = self.pending.get(which, INTERRUPTED)
+            if caller != INTERRUPTED and _stopping(caller):
+                self.pending[which] = INTERRUPTED
                 self._reply(which, errno.EINTR, b"")
             return
         if opcode == p.INIT:
@@ -232,16 +234,17 @@ class Session:
         if handler is None:
             self._reply(unique, errno.ENOSYS, b"")
             return
-        if opcode in INTERRUPTIBLE:
+        interruptible = opcode in INTERRUPTIBLE
+        if interruptible:
             self.pending[unique] = pid
         try:
             reply = await handler(Request(opcode, unique, nodeid, uid, gid, pid), body)
         except Exception as exc:
-            if self._answered(unique, None):
+            if not interruptible or self._answered(unique, None):
                 self._reply(unique, errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()),
                             b"")
             return
-        if not self._answered(unique, reply if opcode == p.LOOKUP else None):
+        if interruptible and not self._answered(unique, reply if opcode == p.LOOKUP else None):
             return
         try:
             self._reply(unique, 0, reply)
@@ -250,11 +253,10 @@ class Session:
             self._reply(unique, errno.EIO, b"")
 
     def _answered(self, unique: int, lookup: Reply | None) -> bool:
-        """The request is done: False if it was interrupted (answered already).
-        ``lookup``: a LOOKUP's reply, whose count goes back if it is dropped."""
-        if self.pending.pop(unique, None) is None or unique not in self.interrupted:
+        """An INTERRUPTIBLE request is done: False if it was answered EINTR
+        already. ``lookup``: a LOOKUP's reply, whose count goes back if dropped."""
+        if self.pending.pop(unique, None) != INTERRUPTED:
             return True
-        self.interrupted.discard(unique)
         if isinstance(lookup, bytes | bytearray) and (nodeid := int.from_bytes(lookup[:8],
                                                                               "little")):
             self._forget([(nodeid, 1)])
