@@ -290,6 +290,7 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         unmount()
         fs.save_dir_times()
         local.close()
+        cache.close()
         meta.close()
         await store.aclose()
     return 0

@@ -85,4 +85,16 @@ def test_block_cache_on_ramfs_stores_and_finds_blocks(ramfs):
     data = os.urandom(MiB + 1)
     assert cache.store(version, 2, data)
     found = cache.locate(version, 2)
-    assert found is not None and found.read_bytes() == data
+    assert found is not None
+    with open(found.path, "rb") as f:
+        f.seek(found.offset)
+        assert f.read(found.size) == data
+    small = ObjectVersion("small", "etag", 5000)  # into a segment file, written plainly
+    assert cache.store(small, 0, data[:5000])
+    found = cache.locate(small, 0)
+    assert found is not None and found.checksum is not None
+    with open(found.path, "rb") as f:
+        f.seek(found.offset)
+        assert f.read(found.size) == data[:5000]
+    assert cache.evict(16 * MiB) == MiB + 1 + 5000  # no hole punching there: still freed
+    cache.close()

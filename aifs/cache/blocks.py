@@ -2,9 +2,11 @@
 
 A block is identified by the object's key *and ETag* plus its index, so a
 changed object can never be answered from blocks of its old version: the old
-blocks simply stop being asked for and age out. Each block is one file,
+blocks simply stop being asked for and age out. A large block is one file,
 written to a temporary name and renamed, so a crash never leaves a torn
-block. Capacity is accounted in memory (rebuilt by a scan at start, oldest
+block; small ones are appended to shared segment files (``segments.py``:
+a file each cost more than their GET), checked by checksum when read.
+Capacity is accounted in memory (rebuilt by a scan at start, oldest
 access first).
 
 Blocks live in one of three classes, each in its own LRU order:
@@ -40,6 +42,7 @@ import xxhash
 
 from aifs import xattrs
 from aifs.cache.direct import DirectWriter
+from aifs.cache.segments import SMALL, Location, Segments
 from aifs.policy import DATASET, POLICY_XATTR
 
 log = logging.getLogger(__name__)
@@ -96,10 +99,18 @@ class BlockCache:
         self.evictions = 0
         self.refused = 0  # blocks not admitted (a full dataset share, or all pinned)
         self._writer = DirectWriter()  # blocks skip the page cache: they are in memory
+        self.segments = Segments(directory / "segments")
+        self._where: dict[str, Location] = {}  # rel -> where a segment block is
         self._scan()
 
     def _scan(self) -> None:
         found: list[tuple[float, str, int]] = []
+        for ident, index, where, policy, cls, order in self.segments.scan():
+            rel = f"{ident[:2]}/{ident}/{index}"
+            self._where[rel] = where
+            self._policy[ident] = policy
+            self._class[ident] = cls  # the last record's
+            found.append((order, rel, where.size))
         for shard in os.scandir(self.root):
             if not shard.is_dir():
                 continue
@@ -144,15 +155,25 @@ class BlockCache:
         ident = version.ident
         return f"{ident[:2]}/{ident}/{index}"
 
-    def locate(self, version: ObjectVersion, index: int) -> Path | None:
-        """The block's file if it is cached (counts as a use); cheap, no I/O."""
+    def locate(self, version: ObjectVersion, index: int) -> Location | None:
+        """Where the block is if it is cached (counts as a use); cheap, no I/O.
+        A segment block's bytes are checked against ``checksum`` when read
+        (:meth:`drop` it if they differ)."""
         rel = self._rel(version, index)
         with self._lock:
             lru = self._lru[self._class.get(version.ident, REGULAR)]
-            if rel not in lru:
+            size = lru.get(rel)
+            if size is None:
                 return None
             lru.move_to_end(rel)
-        return self.root / rel
+            where = self._where.get(rel)
+        return where or Location(str(self.root / rel), 0, size)
+
+    def drop(self, version: ObjectVersion, index: int) -> None:
+        """Forget a block whose bytes read back wrong (a crash tore them)."""
+        log.warning("cached block %d of %s read back damaged: fetched again",
+                    index, version.key)
+        self._forget(self._rel(version, index))
 
     def store(self, version: ObjectVersion, index: int, data: bytes) -> bool:
         """Cache a block; False if it was not admitted (or could not be written)."""
@@ -166,26 +187,37 @@ class BlockCache:
             with self._lock:
                 self.refused += 1
             return False
-        tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
+        where = tmp = None
         try:
-            if not path.parent.is_dir():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._label(path.parent, version)
-            self._writer.write_file(tmp, data)
-            os.rename(tmp, path)
+            if len(data) <= SMALL:
+                where = self.segments.append(version.ident, index, data, version.policy, cls)
+            else:
+                if not path.parent.is_dir():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._label(path.parent, version)
+                tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
+                self._writer.write_file(tmp, data)
+                os.rename(tmp, path)
         except OSError as exc:
             # A full or failing cache disk costs speed, not correctness.
             log.warning("cannot cache block %s: %s", rel, exc.strerror)
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self.used -= len(data)
             return False
         with self._lock:
             if rel in self._blocks.get(version.ident, {}):  # stored twice at once
                 self.used -= len(data)
+                stale = where
             else:
+                stale = None
+                if where is not None:
+                    self._where[rel] = where
                 self._policy.setdefault(version.ident, version.policy)
                 self._account(rel, len(data), reserved=True, cls=cls)
+        if stale is not None:
+            self.segments.punch(version.ident, index, stale)
         return True
 
     def _label(self, directory: Path, version: ObjectVersion) -> None:
@@ -212,7 +244,13 @@ class BlockCache:
                 self._lru[cls][rel] = size
                 self.by_class[old] -= size
                 self.by_class[cls] += size
+            where = [self._where[rel] for rel in self._blocks.get(ident, {})
+                     if rel in self._where]
+        if where:
+            self.segments.reclass(ident, cls, where)
         directory = self.root / ident[:2] / ident
+        if not directory.is_dir():
+            return
         try:
             if cls == PINNED:
                 os.setxattr(directory, PINNED_XATTR, PINNED.encode())
@@ -279,11 +317,18 @@ class BlockCache:
                 del self._blocks[ident]
                 self._policy.pop(ident, None)
                 self._class.pop(ident, None)
+            where = self._where.pop(rel, None)
+        if where is not None:
+            self.segments.punch(ident, int(rel.rsplit("/", 1)[1]), where)
+            return
         try:
             os.unlink(self.root / rel)
             os.rmdir((self.root / rel).parent)
         except OSError:
             pass
+
+    def close(self) -> None:
+        self.segments.close()
 
     def cached_bytes(self, version: ObjectVersion) -> int:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -61,6 +62,52 @@ class DirectWriter:
         with open(path, "xb") as fp:
             fp.write(data)
 
+    def open(self, path: str | os.PathLike[str], flags: int) -> int:
+        """Open ``path`` for :meth:`pwrite`: with O_DIRECT where allowed."""
+        if self.enabled:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._refused(path)
+                if flags & os.O_EXCL:  # the refused open may have created it
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+        return os.open(path, flags, 0o600)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset`` (aligned) of a file from :meth:`open`;
+        with O_DIRECT, padded with zeros to a whole ``ALIGN``."""
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            size = len(data)
+            padded = -(-size // ALIGN) * ALIGN
+            buffer, address = self._take(padded)
+            try:
+                _copy_in(address, buffer, data, size)
+                if padded > size:
+                    ctypes.memset(address + size, 0, padded - size)
+                with memoryview(buffer) as view:
+                    try:
+                        _pwrite_all(fd, view[:padded], offset)
+                        return
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                self._refused(f"/proc/self/fd/{fd}")
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            finally:
+                self._give_back(buffer, address)
+        _pwrite_all(fd, data, offset)
+
+    def _refused(self, path: str | os.PathLike[str]) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.info("%s: the filesystem refuses O_DIRECT; cache files are written "
+                     "through the page cache", os.path.dirname(path) or ".")
+
     def _write_direct(self, path: str | os.PathLike[str], data: bytes | memoryview) -> None:
         size = len(data)
         padded = -(-size // ALIGN) * ALIGN
@@ -97,6 +144,13 @@ class DirectWriter:
             if len(self._free) > 16:
                 self._free.sort(key=lambda item: len(item[0]))
                 self._free.pop(0)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    with memoryview(data) as view:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _copy_in(address: int, buffer: mmap.mmap, data: bytes | memoryview, size: int) -> None:

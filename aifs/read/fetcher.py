@@ -23,9 +23,10 @@ from pathlib import Path
 import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
+from aifs.cache.segments import Location, checksum
 from aifs.errors import CorruptData, LakeError, PreconditionFailed
 from aifs.lake.base import ObjectStore
-from aifs.pack.index import checksum
+from aifs.pack.index import checksum as pack_checksum
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def read_ahead(ranges: list[tuple[int, int, int]]) -> None:
 
 def verify(data: bytes | memoryview, expected: str, what: str) -> None:
     """Raise CorruptData unless ``data`` has the checksum a pack recorded."""
-    if checksum(data) != expected:
+    if pack_checksum(data) != expected:
         raise CorruptData(f"{what}: checksum mismatch (the pack is damaged); "
                           "no bytes are returned")
 
@@ -136,7 +137,7 @@ class BlockFetcher:
         #: outside the block cache (whole local copies) where blocks alone cannot
         self.make_room: Callable[[int], None] = lambda incoming: None
         self._storing = 0
-        self._fds: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._fds: OrderedDict[str, int] = OrderedDict()  # path -> descriptor
         self._advised: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.max_open_blocks = 64
         self.stats = FetchStats()
@@ -162,35 +163,46 @@ class BlockFetcher:
             self.stats.memory_hits += 1
             return memoryview(data)[lo:hi]
         if slot not in self._flights:
-            fd = self._block_fd(version, index, slot)
-            if fd is not None:
-                self.stats.disk_hits += 1
-                return await read_at(fd, lo, hi - lo, self._disk_limiter)
+            found = self._block_fd(version, index)
+            if found is not None:
+                fd, where = found
+                if where.checksum is None:
+                    self.stats.disk_hits += 1
+                    return await read_at(fd, where.offset + lo, hi - lo, self._disk_limiter)
+                # a segment block: read whole and checked (it may have been
+                # evicted, its range punched out, while this read looked it up)
+                data = await read_at(fd, where.offset, where.size, self._disk_limiter)
+                if checksum(data) == where.checksum:
+                    self.stats.disk_hits += 1
+                    return data[lo:hi]
+                if self.cache.locate(version, index) == where:
+                    self.cache.drop(version, index)
         self.stats.misses += 1
         return memoryview(await self.block(version, index))[lo:hi]
 
-    def _block_fd(self, version: ObjectVersion, index: int,
-                  slot: tuple[str, int]) -> int | None:
-        """An open descriptor of the cached block file, or None if not cached.
+    def _block_fd(self, version: ObjectVersion, index: int) -> tuple[int, Location] | None:
+        """An open descriptor of the file holding the cached block and where in
+        it the block is, or None if it is not cached.
 
         A block file never changes (its name includes the ETag), so an open
-        descriptor stays right even if eviction unlinks the file meanwhile.
+        descriptor stays right even if eviction unlinks the file meanwhile; a
+        segment block is checked by checksum when read.
         """
-        fd = self._fds.get(slot)
-        if fd is not None:
-            self._fds.move_to_end(slot)
-            return fd
-        path = self.cache.locate(version, index)
-        if path is None:
+        where = self.cache.locate(version, index)
+        if where is None:
             return None
+        fd = self._fds.get(where.path)
+        if fd is not None:
+            self._fds.move_to_end(where.path)
+            return fd, where
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(where.path, os.O_RDONLY)
         except FileNotFoundError:
             return None
-        self._fds[slot] = fd
+        self._fds[where.path] = fd
         while len(self._fds) > self.max_open_blocks:
             os.close(self._fds.popitem(last=False)[1])
-        return fd
+        return fd, where
 
     async def block(self, version: ObjectVersion, index: int) -> bytes:
         """The whole block ``index`` of ``version``."""
@@ -232,11 +244,11 @@ class BlockFetcher:
             slot = (version.ident, index)
             if slot in self._memory or slot in self._flights or slot in self._advised:
                 continue
-            fd = self._block_fd(version, index, slot)
-            if fd is not None:
+            found = self._block_fd(version, index)
+            if found is not None:
                 # On the local disk: let the kernel read it ahead into the page cache.
-                length = min(self.block_size, version.size - index * self.block_size)
-                on_disk.append((fd, 0, length))
+                fd, where = found
+                on_disk.append((fd, where.offset, where.size))
                 self._advised[slot] = None
                 if len(self._advised) > 4 * self.max_open_blocks:
                     self._advised.popitem(last=False)

@@ -1,0 +1,126 @@
+"""Small cached blocks in shared segment files: what a restart finds, what
+eviction frees, and that a damaged block is fetched again, never served."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from aifs.cache.blocks import DATASET_CLASS, PINNED, REGULAR, BlockCache, ObjectVersion
+from aifs.cache.segments import SMALL, Location
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def read(where: Location) -> bytes:
+    with open(where.path, "rb") as f:
+        f.seek(where.offset)
+        return f.read(where.size)
+
+
+def files_under(path: Path) -> list[str]:
+    return sorted(os.path.join(top, name) for top, _, names in os.walk(path) for name in names)
+
+
+def test_small_blocks_share_segment_files_and_survive_a_restart(tmp_path):
+    cache = BlockCache(tmp_path, 64 * MiB)
+    versions = [ObjectVersion(f"k{i}", "etag", 16 * KiB, policy="dataset" if i % 3 == 0
+                              else "default", pinned=i == 7) for i in range(100)]
+    blobs = {v.key: os.urandom(16 * KiB - v.key.__len__()) for v in versions}
+    for v in versions:
+        assert cache.store(v, 0, blobs[v.key])
+    big = ObjectVersion("big", "etag", 2 * SMALL)
+    big_data = os.urandom(SMALL + 1)
+    assert cache.store(big, 0, big_data)
+    # one file of its own for the large block, none for the 100 small ones
+    assert len(files_under(tmp_path / "blocks")) == 1
+    assert [n for n in os.listdir(tmp_path / "segments") if n.endswith(".seg")] == ["1.seg"]
+    classes = dict(cache.by_class)
+    cache.close()
+
+    again = BlockCache(tmp_path, 64 * MiB)
+    for v in versions:
+        where = again.locate(v, 0)
+        assert where is not None and read(where) == blobs[v.key]
+    assert read(again.locate(big, 0)) == big_data
+    assert dict(again.by_class) == classes
+    assert again.by_class[PINNED] == len(blobs["k7"])
+    assert again.by_class[DATASET_CLASS] == sum(len(blobs[f"k{i}"]) for i in range(0, 100, 3))
+    assert again.used == sum(map(len, blobs.values())) + len(big_data)
+    again.close()
+
+
+def test_evicted_blocks_stay_gone_and_an_empty_segment_is_deleted(tmp_path):
+    cache = BlockCache(tmp_path, 1 * MiB)
+    cache.segments.segment_size = 256 * KiB  # several segments
+    versions = [ObjectVersion(f"k{i}", "etag", 16 * KiB) for i in range(200)]
+    data = os.urandom(16 * KiB)
+    for v in versions:
+        assert cache.store(v, 0, data)
+    assert cache.used <= 1 * MiB
+    kept = {v.key for v in versions if cache.locate(v, 0) is not None}
+    assert 0 < len(kept) < len(versions)  # the oldest were evicted
+    segments = [n for n in os.listdir(tmp_path / "segments") if n.endswith(".seg")]
+    assert len(segments) <= 6  # segments whose blocks all went are deleted
+    # evicted ranges give their disk space back
+    allocated = sum(os.stat(tmp_path / "segments" / n).st_blocks * 512 for n in segments)
+    assert allocated <= 1 * MiB + 256 * KiB
+    cache.close()
+
+    again = BlockCache(tmp_path, 1 * MiB)
+    assert {v.key for v in versions if again.locate(v, 0) is not None} == kept
+    assert again.used == len(kept) * len(data)
+    assert again.evict(10 * MiB) == len(kept) * len(data)
+    again.close()
+    third = BlockCache(tmp_path, 1 * MiB)
+    assert third.used == 0 and not any(third.locate(v, 0) for v in versions)
+    assert [n for n in os.listdir(tmp_path / "segments") if n.endswith(".seg")] == []
+    third.close()
+
+
+def test_a_pin_of_segment_blocks_survives_a_restart(tmp_path):
+    cache = BlockCache(tmp_path, 64 * MiB)
+    version = ObjectVersion("weights", "etag", 40 * KiB)
+    assert cache.store(version, 0, os.urandom(40 * KiB))
+    cache.reclass(ObjectVersion("weights", "etag", 40 * KiB, pinned=True))
+    assert cache.by_class[PINNED] == 40 * KiB
+    cache.close()
+    again = BlockCache(tmp_path, 64 * MiB)
+    assert again.by_class[PINNED] == 40 * KiB
+    again.reclass(version)  # unpinned
+    again.close()
+    third = BlockCache(tmp_path, 64 * MiB)
+    assert third.by_class[PINNED] == 0 and third.by_class[REGULAR] == 40 * KiB
+    third.close()
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)
+def test_a_damaged_cached_block_is_fetched_again_not_served(lake, mounter):
+    damaged, intact = os.urandom(20 * KiB), os.urandom(30 * KiB)
+    lake.put("damaged.bin", damaged)
+    lake.put("intact.bin", intact)
+    mount = mounter(lake, name="first", cache="shared")
+    for name, data in (("damaged.bin", damaged), ("intact.bin", intact)):
+        assert (mount.path / name).read_bytes() == data
+        wait_for(lambda name=name, data=data: int(os.getxattr(
+            mount.path / name, "user.aifs.cached_bytes")) == len(data), 10, "cached")
+    mount.unmount()
+    # a crash that tore one block: its bytes in the segment are not what was stored
+    segment = mount.cache_dir / "segments" / "1.seg"
+    body = segment.read_bytes()
+    at = body.index(damaged[:64])
+    with open(segment, "r+b") as f:
+        f.seek(at + 100)
+        f.write(b"\0" * 100)
+
+    again = mounter(lake, name="second", cache="shared")
+    assert (again.path / "intact.bin").read_bytes() == intact
+    stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
+    assert stats["lake_gets"] == 0 and stats["disk_hits"] > 0
+    assert (again.path / "damaged.bin").read_bytes() == damaged
+    stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
+    assert stats["lake_gets"] == 1
