@@ -290,6 +290,7 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         unmount()
         fs.save_dir_times()
         local.close()
+        fs.fetcher.wait_stored(10.0)
         cache.close()
         meta.close()
         await store.aclose()

@@ -1,4 +1,5 @@
-"""HEAD, ranged GET and LIST of S3 objects over urllib3, signed here (SigV4).
+"""HEAD, ranged GET and LIST of S3 objects, signed here (SigV4), sent over
+aifs's own keep-alive connections (``http1.py``; urllib3 through a proxy).
 
 Hand-written, and why: botocore spends about a millisecond of CPU on every
 call (event handlers, parameter validation, serialisation, response parsing),
@@ -6,8 +7,9 @@ measured on this machine against Ceph RGW: ``head_object`` 1,047 µs,
 ``get_object`` of 16 KiB 1,079 µs. A fresh node reading a dataset of small
 objects makes a GET per file, and a HEAD where it reads attributes, from one
 Python process: that CPU was its floor, and boto3 itself could not beat it.
-The same requests built and signed here and sent through urllib3 (the pool
-botocore itself uses) cost a fraction of it. LIST goes this way too: a walk
+The same requests built and signed here cost a fraction of it, sent through
+urllib3 (the pool botocore itself uses) and less again over aifs's own
+connections. LIST goes this way too: a walk
 of a dataset is one LIST page per 1,000 entries, and botocore's parsing of a
 page (its shape model over every field) took more CPU than the walk's own
 requests; ``ElementTree``'s C parser reads the same page in a fraction of
@@ -25,6 +27,7 @@ import hashlib
 import hmac
 import os
 import re
+import ssl
 import time
 import urllib.parse
 import urllib.request
@@ -45,6 +48,7 @@ from aifs.errors import (
     PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo
+from aifs.lake.http1 import Broken, Connections, Response
 
 UNSIGNED = "UNSIGNED-PAYLOAD"
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
@@ -82,6 +86,14 @@ class SignedHTTP:
         proxy = proxy_for(endpoint)  # HTTP(S)_PROXY and NO_PROXY, as botocore reads them
         self.pool: urllib3.PoolManager = urllib3.ProxyManager(proxy, **settings) if proxy \
             else urllib3.PoolManager(**settings)
+        # direct connections: the lean client (http1.py); through a proxy: urllib3
+        self.direct: Connections | None = None
+        if not proxy:
+            tls = ssl.create_default_context(cafile=kwargs["ca_certs"]) \
+                if url.scheme == "https" else None
+            self.direct = Connections(url.hostname or "", url.port or (
+                443 if url.scheme == "https" else 80), tls, min(timeout, 10.0), timeout,
+                max_connections)
 
     # -- signing ----------------------------------------------------------
     def _signing_key(self, secret: str, date: str) -> bytes:
@@ -121,18 +133,39 @@ class SignedHTTP:
 
     # -- requests ---------------------------------------------------------
     def _send(self, method: str, key: str | None, what: str, extra: dict[str, str],
-              params: dict[str, str] | None = None) -> urllib3.BaseHTTPResponse:
-        """Send a request for ``key`` (None: the bucket itself)."""
+              params: dict[str, str] | None = None) -> Response:
+        """Send a request for ``key`` (None: the bucket itself); its whole answer."""
         path = self._path(key) if key is not None \
             else urllib.parse.quote(f"{self.base_path}/{self.bucket}", safe="/~")
         query = _query(params) if params else ""
         headers = self._signed(method, path, extra, query)
-        url = self.origin + path + ("?" + query if query else "")
+        target = path + ("?" + query if query else "")
+        if self.direct is not None:
+            try:
+                return self.direct.request(method, target, headers)
+            except Broken as exc:
+                if exc.connecting:
+                    raise LakeUnavailable(f"cannot reach {self.endpoint}: {exc}",
+                                          exc.cause) from None
+                raise LakeUnavailable(f"{what}: connection to {self.endpoint} broken: {exc}",
+                                      exc.cause) from None
         try:
-            return self.pool.request(method, url, headers=headers,
+            resp = self.pool.request(method, self.origin + target, headers=headers,
                                      preload_content=False, redirect=False)
         except urllib3.exceptions.HTTPError as exc:
             raise self._broken(exc, what) from None
+        try:
+            body = resp.read()  # a HEAD's nothing: the connection is then ready again
+        except urllib3.exceptions.HTTPError as exc:
+            raise self._broken(exc, what) from None
+        finally:
+            resp.release_conn()
+        headers = {k.lower(): v for k, v in resp.headers.items()}
+        expected = headers.get("content-length")
+        if method != "HEAD" and expected is not None and len(body) != int(expected):
+            raise LakeUnavailable(f"{what}: body cut short ({len(body)} of {expected} bytes)",
+                                  "truncated")
+        return Response(resp.status, headers, body)
 
     def _broken(self, exc: Exception, what: str) -> LakeUnavailable:
         errors = urllib3.exceptions
@@ -156,20 +189,12 @@ class SignedHTTP:
         """The object at ``key`` in the bucket, as ``name`` (its key in the lake)."""
         what = f"HEAD {name}"
         resp = self._send("HEAD", key, what, {})
-        try:
-            try:
-                resp.read()  # nothing, but the connection is ready for another request
-            except urllib3.exceptions.HTTPError as exc:
-                raise self._broken(exc, what) from None
-            if resp.status != 200:
-                raise self._error(resp.status, b"", what)
-            h = resp.headers
-            meta = {name[11:].lower(): value for name, value in h.items()
-                    if name.lower().startswith("x-amz-meta-")}
-            modified = email.utils.parsedate_to_datetime(h["last-modified"]).timestamp()
-            return ObjectInfo(name, int(h["content-length"]), h["etag"], modified, meta)
-        finally:
-            resp.release_conn()
+        if resp.status != 200:
+            raise self._error(resp.status, b"", what)
+        h = resp.headers
+        meta = {name[11:]: value for name, value in h.items() if name.startswith("x-amz-meta-")}
+        modified = email.utils.parsedate_to_datetime(h["last-modified"]).timestamp()
+        return ObjectInfo(name, int(h["content-length"]), h["etag"], modified, meta)
 
     def get_range(self, key: str, name: str, start: int, length: int,
                   if_match: str | None) -> bytes:
@@ -178,24 +203,14 @@ class SignedHTTP:
         if if_match:
             extra["if-match"] = if_match
         resp = self._send("GET", key, what, extra)
-        try:
-            try:
-                data = resp.read()
-            except urllib3.exceptions.HTTPError as exc:
-                raise self._broken(exc, what) from None
-            if resp.status == 416:
-                return b""  # the range starts at or past the end: nothing there
-            if resp.status not in (200, 206):
-                raise self._error(resp.status, data, what)
-            expected = resp.headers.get("content-length")
-            if expected is not None and len(data) != int(expected):
-                raise LakeUnavailable(f"{what}: body cut short ({len(data)} of {expected} "
-                                      "bytes)", "truncated")
-            if resp.status == 200 and (start or len(data) > length):
-                data = data[start:start + length]  # a server that ignored the range
-            return data
-        finally:
-            resp.release_conn()
+        data = resp.body
+        if resp.status == 416:
+            return b""  # the range starts at or past the end: nothing there
+        if resp.status not in (200, 206):
+            raise self._error(resp.status, data, what)
+        if resp.status == 200 and (start or len(data) > length):
+            data = data[start:start + length]  # a server that ignored the range
+        return data
 
     def list_page(self, prefix: str, cut: int, delimiter: str | None, token: str | None,
                   max_keys: int, what: str) -> ListPage:
@@ -208,15 +223,9 @@ class SignedHTTP:
         if token:
             params["continuation-token"] = token
         resp = self._send("GET", None, what, {}, params)
-        try:
-            try:
-                body = resp.read()
-            except urllib3.exceptions.HTTPError as exc:
-                raise self._broken(exc, what) from None
-            if resp.status != 200:
-                raise self._error(resp.status, body, what)
-        finally:
-            resp.release_conn()
+        body = resp.body
+        if resp.status != 200:
+            raise self._error(resp.status, body, what)
         try:
             root = ElementTree.fromstring(body)
         except ElementTree.ParseError as exc:
@@ -239,6 +248,8 @@ class SignedHTTP:
 
     def close(self) -> None:
         self.pool.clear()
+        if self.direct is not None:
+            self.direct.close()
 
 
 def _timestamp(text: str) -> float:
