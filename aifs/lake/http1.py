@@ -19,10 +19,15 @@ before anything of the answer came (all requests here are idempotent).
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import ssl
 import threading
 from dataclasses import dataclass
+from typing import Any
+
+import trio
 
 LINE = 65536  # longest status or header line taken
 
@@ -184,3 +189,195 @@ def _chunks(conn: _Connection) -> bytes:
         if len(piece) != size or conn.rfile.readline(LINE) not in (b"\r\n", b"\n"):
             raise Broken("answer cut short in a chunk", "truncated")
         pieces.append(piece)
+
+
+# -- the same requests from the event loop --------------------------------------
+# A request sent from a worker thread costs two wake-ups besides the network's
+# (the thread, then the event loop when it answers): on this machine about as
+# much CPU as the request itself. Small GETs, a fresh node's request per file,
+# are therefore sent from the event loop on non-blocking sockets (plain HTTP;
+# TLS and large bodies keep to threads).
+
+
+class AsyncConnections:
+    """Connections to one ``host:port`` used from trio tasks, kept open between
+    requests. Same answers and failures as :class:`Connections`."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float,
+                 keep: int) -> None:
+        self.host, self.port = host, port
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.keep = keep
+        self._idle: list[_AsyncConnection] = []
+        self._address: tuple[Any, ...] | None = None
+        self._family = socket.AF_INET
+
+    async def request(self, method: str, target: str, headers: dict[str, str]) -> Response:
+        head = (f"{method} {target} HTTP/1.1\r\n"
+                + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+                + "\r\n").encode("latin-1")
+        conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            try:
+                return await self._exchange(conn, method, head)
+            except _Stale:
+                pass  # closed while idle: once more on a new connection
+        try:
+            return await self._exchange(await self._connect(), method, head)
+        except _Stale as exc:
+            raise Broken(f"connection closed before an answer ({exc.__cause__ or 'EOF'})",
+                         "connection") from None
+
+    async def _connect(self) -> _AsyncConnection:
+        if self._address is None:
+            try:
+                infos = await trio.socket.getaddrinfo(self.host, self.port,
+                                                      type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise Broken(type(exc).__name__, "connection", connecting=True) from None
+            self._family, _, _, _, self._address = infos[0]
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                err = sock.connect_ex(self._address)
+                if err in (errno.EINPROGRESS, errno.EAGAIN):
+                    await trio.lowlevel.wait_writable(sock)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except trio.TooSlowError:
+            _forget(sock)
+            raise Broken("connect timed out", "timeout", connecting=True) from None
+        except OSError as exc:
+            _forget(sock)
+            self._address = None  # look the name up again next time
+            raise Broken(type(exc).__name__ if not exc.errno else os.strerror(exc.errno),
+                         "connection", connecting=True) from None
+        except BaseException:
+            _forget(sock)
+            raise
+        return _AsyncConnection(sock)
+
+    async def _exchange(self, conn: _AsyncConnection, method: str, head: bytes) -> Response:
+        kept = False
+        try:
+            with trio.fail_after(self.timeout):
+                try:
+                    await conn.send(head)
+                    end = await conn.until(b"\r\n\r\n")
+                except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
+                    if conn.buf:
+                        raise Broken(f"connection broken: {type(exc).__name__}",
+                                     "truncated") from None
+                    raise _Stale() from exc
+                if end < 0:
+                    if not conn.buf:
+                        raise _Stale()
+                    raise Broken("answer cut short in its headers", "truncated")
+                lines = bytes(conn.buf[:end]).split(b"\r\n")
+                del conn.buf[:end + 4]
+                parts = lines[0].split(None, 2)
+                if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") \
+                        or not parts[1].isdigit():
+                    raise Broken(f"not an HTTP answer: {lines[0][:40]!r}", "truncated")
+                status = int(parts[1])
+                headers: dict[str, str] = {}
+                for line in lines[1:]:
+                    name, _, value = line.decode("latin-1").partition(":")
+                    name, value = name.strip().lower(), value.strip()
+                    headers[name] = f"{headers[name]}, {value}" if name in headers else value
+                keep = parts[0] == b"HTTP/1.1" \
+                    and headers.get("connection", "").lower() != "close"
+                if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+                    body = b""
+                elif "content-length" in headers:
+                    length = int(headers["content-length"])
+                    if not await conn.fill_to(length):
+                        raise Broken(f"body cut short ({len(conn.buf)} of {length} bytes)",
+                                     "truncated")
+                    body = bytes(conn.buf[:length])
+                    del conn.buf[:length]
+                else:  # chunked or to the end of the connection: rare here
+                    raise Broken("answer without a length", "truncated")
+            if keep and not conn.buf and len(self._idle) < self.keep:
+                self._idle.append(conn)
+                kept = True
+            return Response(status, headers, body)
+        except trio.TooSlowError:
+            raise Broken("timed out", "timeout") from None
+        except OSError as exc:
+            raise Broken(f"connection broken: {type(exc).__name__}",
+                         "truncated" if conn.buf else "connection") from None
+        except ValueError as exc:
+            raise Broken(f"unreadable answer: {exc}", "truncated") from None
+        finally:
+            if not kept:
+                conn.close()
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class _AsyncConnection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.closed = False
+
+    async def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def _more(self) -> bool:
+        """Read what has come into ``buf``; False at the end of the connection."""
+        while True:
+            try:
+                chunk = self.sock.recv(LINE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
+            if not chunk:
+                return False
+            self.buf += chunk
+            return True
+
+    async def until(self, marker: bytes) -> int:
+        """Read until ``marker`` is in ``buf``: its index (-1: the connection ended)."""
+        start = 0
+        while True:
+            at = self.buf.find(marker, start)
+            if at >= 0:
+                return at
+            if len(self.buf) > LINE:
+                raise ValueError("headers too long")
+            start = max(0, len(self.buf) - len(marker) + 1)
+            if not await self._more():
+                return -1
+
+    async def fill_to(self, length: int) -> bool:
+        while len(self.buf) < length:
+            if not await self._more():
+                return False
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            _forget(self.sock)
+
+
+def _forget(sock: socket.socket) -> None:
+    """Close a socket trio may be watching."""
+    try:
+        trio.lowlevel.notify_closing(sock)
+    except RuntimeError:
+        pass  # outside trio
+    sock.close()

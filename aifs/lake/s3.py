@@ -34,6 +34,10 @@ from aifs.lake.s3http import SignedHTTP, error_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: GETs up to this many bytes are sent from the event loop, larger ones from
+#: threads (a large body copied in the event loop would stall the requests)
+SMALL_GET = 256 << 10
+
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str = "",
                  region: str = "", profile: str = "", path_style: bool = True,
@@ -152,6 +156,10 @@ class S3Store(ObjectStore):
             return b""
         if self.http is not None:
             http = self.http
+            if http.loop is not None and length <= SMALL_GET:
+                async with self.limiter:  # a small GET: from the event loop
+                    return await http.get_range_async(self._k(key), key, start, length,
+                                                       if_match)
             return await self._call(f"GET {key}", lambda: http.get_range(
                 self._k(key), key, start, length, if_match))
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key),

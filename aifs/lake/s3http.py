@@ -48,7 +48,7 @@ from aifs.errors import (
     PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo
-from aifs.lake.http1 import Broken, Connections, Response
+from aifs.lake.http1 import AsyncConnections, Broken, Connections, Response
 
 UNSIGNED = "UNSIGNED-PAYLOAD"
 _CODE = re.compile(rb"<Code>([^<]*)</Code>")
@@ -94,6 +94,11 @@ class SignedHTTP:
             self.direct = Connections(url.hostname or "", url.port or (
                 443 if url.scheme == "https" else 80), tls, min(timeout, 10.0), timeout,
                 max_connections)
+        # small GETs from the event loop itself, on plain HTTP (http1.py)
+        self.loop: AsyncConnections | None = None
+        if not proxy and url.scheme == "http":
+            self.loop = AsyncConnections(url.hostname or "", url.port or 80,
+                                         min(timeout, 10.0), timeout, max_connections)
 
     # -- signing ----------------------------------------------------------
     def _signing_key(self, secret: str, date: str) -> bytes:
@@ -132,23 +137,29 @@ class SignedHTTP:
         return urllib.parse.quote(raw, safe="/~")
 
     # -- requests ---------------------------------------------------------
-    def _send(self, method: str, key: str | None, what: str, extra: dict[str, str],
-              params: dict[str, str] | None = None) -> Response:
-        """Send a request for ``key`` (None: the bucket itself); its whole answer."""
+    def _prepare(self, method: str, key: str | None, extra: dict[str, str],
+                 params: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+        """The request target and signed headers for ``key`` (None: the bucket)."""
         path = self._path(key) if key is not None \
             else urllib.parse.quote(f"{self.base_path}/{self.bucket}", safe="/~")
         query = _query(params) if params else ""
-        headers = self._signed(method, path, extra, query)
-        target = path + ("?" + query if query else "")
+        return path + ("?" + query if query else ""), self._signed(method, path, extra, query)
+
+    def _unavailable(self, exc: Broken, what: str) -> LakeUnavailable:
+        if exc.connecting:
+            return LakeUnavailable(f"cannot reach {self.endpoint}: {exc}", exc.cause)
+        return LakeUnavailable(f"{what}: connection to {self.endpoint} broken: {exc}",
+                               exc.cause)
+
+    def _send(self, method: str, key: str | None, what: str, extra: dict[str, str],
+              params: dict[str, str] | None = None) -> Response:
+        """Send a request for ``key`` (None: the bucket itself); its whole answer."""
+        target, headers = self._prepare(method, key, extra, params)
         if self.direct is not None:
             try:
                 return self.direct.request(method, target, headers)
             except Broken as exc:
-                if exc.connecting:
-                    raise LakeUnavailable(f"cannot reach {self.endpoint}: {exc}",
-                                          exc.cause) from None
-                raise LakeUnavailable(f"{what}: connection to {self.endpoint} broken: {exc}",
-                                      exc.cause) from None
+                raise self._unavailable(exc, what) from None
         try:
             resp = self.pool.request(method, self.origin + target, headers=headers,
                                      preload_content=False, redirect=False)
@@ -199,10 +210,29 @@ class SignedHTTP:
     def get_range(self, key: str, name: str, start: int, length: int,
                   if_match: str | None) -> bytes:
         what = f"GET {name}"
+        return self._range(self._send("GET", key, what, self._range_headers(
+            start, length, if_match)), what, start, length)
+
+    async def get_range_async(self, key: str, name: str, start: int, length: int,
+                              if_match: str | None) -> bytes:
+        """:meth:`get_range` from the event loop (``self.loop`` must be set)."""
+        assert self.loop is not None
+        what = f"GET {name}"
+        target, headers = self._prepare("GET", key, self._range_headers(start, length, if_match))
+        try:
+            resp = await self.loop.request("GET", target, headers)
+        except Broken as exc:
+            raise self._unavailable(exc, what) from None
+        return self._range(resp, what, start, length)
+
+    @staticmethod
+    def _range_headers(start: int, length: int, if_match: str | None) -> dict[str, str]:
         extra = {"range": f"bytes={start}-{start + length - 1}"}
         if if_match:
             extra["if-match"] = if_match
-        resp = self._send("GET", key, what, extra)
+        return extra
+
+    def _range(self, resp: Response, what: str, start: int, length: int) -> bytes:
         data = resp.body
         if resp.status == 416:
             return b""  # the range starts at or past the end: nothing there
@@ -250,6 +280,8 @@ class SignedHTTP:
         self.pool.clear()
         if self.direct is not None:
             self.direct.close()
+        if self.loop is not None:
+            self.loop.close()
 
 
 def _timestamp(text: str) -> float:

@@ -77,6 +77,9 @@ class Session:
         self.want_passthrough = want_passthrough
         self.poll = poll
         self._close_together = True  # the last request came within `poll` of the one before
+        # requests waiting on something (the lake, the disk): while there are,
+        # the reader does not poll (its CPU is better spent on what they wait for)
+        self.waiting = 0
         self.workers = 0
         self.reading = False  # a worker holds the reader role
         self.idle = trio.lowlevel.ParkingLot()  # workers waiting for the role
@@ -123,6 +126,7 @@ class Session:
     def _hand_over(self) -> None:
         """The reader's request has to wait: another worker reads meanwhile."""
         self.reading = False
+        self.waiting += 1
         if self.idle:
             self.idle.unpark()
         elif self.workers < MAX_WORKERS:
@@ -144,6 +148,7 @@ class Session:
                     self.done.set()
                     break
                 if await _Watched(self._serve(view[:n]), self._hand_over):
+                    self.waiting -= 1
                     self.waited[p.IN_HEADER.unpack_from(view)[1]] += 1  # its opcode
                     break  # answered as a task of its own; the role went on
                 turns += 1
@@ -183,7 +188,7 @@ class Session:
                     self._close_together = time.perf_counter() - since < self.poll
                 return n
             except BlockingIOError:
-                if self.poll and self._close_together:
+                if self.poll and self._close_together and not self.waiting:
                     n = self._poll(buf, since)
                     if n is not None:
                         return n
