@@ -2,7 +2,8 @@
 
 :mod:`~aifs.lake.base` is the one interface (head, ranged get, put,
 multipart, list, delete many, copy); :mod:`~aifs.lake.s3` (boto3, with
-:mod:`~aifs.lake.s3http` for HEAD and GET) and :mod:`~aifs.lake.local` (a
+:mod:`~aifs.lake.s3http` for HEAD, GET and LIST, sent over the keep-alive
+connections of :mod:`~aifs.lake.http1`) and :mod:`~aifs.lake.local` (a
 directory, the embedded default) implement it; :mod:`~aifs.lake.retry` wraps
 any store with the one backoff, :mod:`~aifs.lake.counting` counts requests,
 :mod:`~aifs.lake.faulty` fails on purpose (tests).

@@ -32,6 +32,8 @@ from aifs.pack.index import checksum as pack_checksum
 log = logging.getLogger(__name__)
 
 STORE_THREADS = 4  # threads storing small blocks behind their readers, at most
+STORE_BATCH = 32  # small blocks waiting per store thread before another starts
+STORE_DELAY = 0.02  # seconds the first small block of a batch waits for others
 STORE_BEHIND = 64 << 20  # bytes fetched and not yet stored, above which a fetch waits
 
 
@@ -365,12 +367,26 @@ class BlockFetcher:
                      flight: _Flight) -> None:
         with self._store_lock:
             self._pending.append((version, index, data, flight))
-            start = self._store_threads < STORE_THREADS and (
-                not self._store_threads or len(self._pending) > 8 * self._store_threads)
-            if start:
-                self._store_threads += 1
-        if start:
-            trio.lowlevel.start_thread_soon(self._drain_stores, lambda outcome: None)
+            backlog = len(self._pending)
+        if backlog >= STORE_BATCH * (self._store_threads + 1):
+            self._start_store_thread()
+        elif backlog == 1 and not self._store_threads and self._nursery is not None:
+            self._nursery.start_soon(self._store_soon)
+
+    async def _store_soon(self) -> None:
+        """Start a store thread a moment after the first block of a batch came:
+        one wake-up of a thread for the blocks of that moment, not one each."""
+        await trio.sleep(STORE_DELAY)
+        self._start_store_thread()
+
+    def _start_store_thread(self) -> None:
+        with self._store_lock:
+            if self._store_threads >= STORE_THREADS or not self._pending or (
+                    self._store_threads and len(self._pending) < STORE_BATCH
+                    * (self._store_threads + 1)):
+                return
+            self._store_threads += 1
+        trio.lowlevel.start_thread_soon(self._drain_stores, lambda outcome: None)
 
     def _drain_stores(self) -> None:
         while True:
@@ -402,7 +418,16 @@ class BlockFetcher:
         await flight.stored.wait()
 
     def wait_stored(self, timeout: float) -> bool:
-        """Block until the queued small blocks are stored (before unmounting)."""
+        """Block until the queued small blocks are stored (before unmounting):
+        those no thread took yet are stored here."""
+        with self._store_lock:
+            if not self._store_threads and self._pending:
+                self._store_threads += 1
+                start = True
+            else:
+                start = False
+        if start:
+            self._drain_stores()
         with self._store_lock:
             return self._drained.wait_for(lambda: not self._store_threads, timeout)
 
