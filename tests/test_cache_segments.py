@@ -82,6 +82,25 @@ def test_evicted_blocks_stay_gone_and_an_empty_segment_is_deleted(tmp_path):
     third.close()
 
 
+def test_a_torn_index_line_loses_that_block_only(tmp_path):
+    """A power loss may cut the last line of a segment's index anywhere: the
+    cache opens with the blocks whose lines are whole."""
+    cache = BlockCache(tmp_path, 64 * MiB)
+    kept = ObjectVersion("kept", "etag", 10 * KiB)
+    data = os.urandom(10 * KiB)
+    assert cache.store(kept, 0, data)
+    cache.close()
+    index = tmp_path / "segments" / "1.idx"
+    whole = index.read_bytes()
+    for torn in (b"+ 0123 0 8192 4096 9f3\xff\xfe default regu", b"+ 0123 0 81",
+                 b"c 0123", b"- 0123 x", b"+ 0123 0 8192 4096 zz default regular"):
+        index.write_bytes(whole + torn)
+        again = BlockCache(tmp_path, 64 * MiB)
+        assert read(again.locate(kept, 0)) == data
+        assert again.used == len(data)
+        again.close()
+
+
 def test_a_pin_of_segment_blocks_survives_a_restart(tmp_path):
     cache = BlockCache(tmp_path, 64 * MiB)
     version = ObjectVersion("weights", "etag", 40 * KiB)

@@ -109,7 +109,7 @@ class BlockCache:
             rel = f"{ident[:2]}/{ident}/{index}"
             self._where[rel] = where
             self._policy[ident] = policy
-            self._class[ident] = cls  # the last record's
+            self._class[ident] = cls if cls in CLASSES else REGULAR  # the last record's
             found.append((order, rel, where.size))
         for shard in os.scandir(self.root):
             if not shard.is_dir():

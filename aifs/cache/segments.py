@@ -96,7 +96,7 @@ class Segments:
             segment = _Segment(number, str(self.root / f"{number}.seg"))
             try:
                 size = os.stat(segment.path).st_size
-                lines = (self.root / f"{number}.idx").read_text().splitlines()
+                lines = (self.root / f"{number}.idx").read_text(errors="replace").splitlines()
                 mtime = os.stat(segment.path).st_mtime
             except OSError:
                 self._remove(number)
@@ -105,6 +105,14 @@ class Segments:
             classes: dict[str, str] = {}  # ident -> its class, the last line's
             for line in lines:
                 parts = line.split()
+                try:
+                    kind = parts[0] if parts and len(parts) in (3, 8) else ""
+                    if kind in ("+", "-"):
+                        int(parts[2])
+                    if kind == "+":
+                        int(parts[3]), int(parts[4]), int(parts[5], 16)
+                except ValueError:  # a line torn by a power loss: skipped
+                    continue
                 if len(parts) == 8 and parts[0] == "+":
                     ident, index, offset, length = parts[1], int(parts[2]), int(parts[3]), \
                         int(parts[4])
