@@ -216,6 +216,56 @@ def test_a_store_of_schema_3_opens_with_its_records_made_compact(tmp_path, monke
     meta.close()
 
 
+def test_a_store_of_schema_4_opens_with_smaller_records_even_after_a_cut_migration(
+        tmp_path, monkeypatch):
+    """Schema 4 stored the kind as a letter and an S3 ETag with its quotes
+    (escaped: four bytes); schema 5 a number and no quotes. A store of schema 4
+    opens with every record as it was, smaller; one whose migration was cut
+    short (some records already rewritten, the schema still 4) too."""
+    import json
+
+    import lmdb
+
+    from aifs.meta import schema
+    from aifs.meta.store import DATA, DIR, FILE, LINK, u64
+    monkeypatch.setattr(schema, "MIGRATE_CHUNK", 2)
+    path = tmp_path / "meta"
+    meta = MetaStore(path)
+    made = [meta.create(1, b"s3.bin", Inode(0, FILE, "s3.bin", 1, size=9, etag='"0a1b-2"',
+                                              mtime_ns=12345)),
+            meta.create(1, b"local.bin", Inode(0, FILE, "local.bin", 1, size=3,
+                                                 etag="1a-2b-3c", pending=DATA)),
+            meta.create(1, b"odd.bin", Inode(0, FILE, "odd.bin", 1, etag='"=x"')),
+            meta.create(1, b"new.bin", Inode(0, FILE, "new.bin", 1, etag="?")),
+            meta.create(1, b"d", Inode(0, DIR, "d/", 1, mode=0o750)),
+            meta.create(1, b"l", Inode(0, LINK, "l", 1, target="s3.bin"))]
+    meta.close()
+    letters = {FILE: "f", DIR: "d", LINK: "l"}
+    env = lmdb.open(str(path), max_dbs=20)
+    inodes, sys_db = env.open_db(b"inode"), env.open_db(b"sys")
+    with env.begin(write=True) as txn:
+        now = {inode.ino: bytes(txn.get(u64(inode.ino), db=inodes)) for inode in made}
+        old = {}
+        for inode in made[1:2] + made[3:]:  # the rest as a migration cut short left them
+            record = json.loads(now[inode.ino])
+            record[1], record[5] = letters[inode.kind], inode.etag
+            old[inode.ino] = json.dumps(record, separators=(",", ":")).encode()
+            txn.put(u64(inode.ino), old[inode.ino], db=inodes)
+        txn.put(b"schema", b"4", db=sys_db)
+    env.close()
+    meta = MetaStore(path)
+    for inode in made:
+        assert meta.get(inode.ino) == inode
+    assert [i.ino for i in meta.pending_inodes()] == [made[1].ino]
+    assert meta.subdir_count(1) == 1
+    with meta.env.begin() as txn:
+        assert {inode.ino: bytes(txn.get(u64(inode.ino), db=meta.inodes))
+                for inode in made} == now
+    assert len(now[made[1].ino]) == len(old[made[1].ino]) - 2 + 1  # a number; "=" etag
+    assert b'"0a1b-2"' in now[made[0].ino]  # no quotes, no escapes
+    meta.close()
+
+
 def test_a_store_of_an_unknown_schema_is_refused_and_kept(tmp_path):
     import lmdb
 

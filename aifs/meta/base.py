@@ -68,6 +68,14 @@ log = logging.getLogger(__name__)
 RESERVE_BYTES = 64 << 20
 
 
+def _encode_now(record: dict | list) -> bytes | None:
+    """An inode record of any schema as schema 5 stores it (None: it is; a
+    migration cut short leaves some records so, and the next one sees them)."""
+    if isinstance(record, list) and isinstance(record[1], int):
+        return None
+    return Inode.from_json(record).encode()
+
+
 def _reserve(data_file: Path, size: int) -> None:
     """Give the LMDB file ``size`` bytes of real blocks (it grows by writes
     into a sparse file, which fail with ENOSPC on a full disk)."""
@@ -125,7 +133,7 @@ class StoreBase:
                     f"metadata in {path} has schema {version.decode(errors='replace')}, "
                     f"which this aifs cannot read (it reads {SCHEMA_VERSION.decode()}); "
                     "nothing was changed: mount it with the aifs that wrote it")
-            migrate(env, version, lambda record: Inode(**record).encode())
+            migrate(env, version, _encode_now)
         return env
 
     def node_id(self) -> str:

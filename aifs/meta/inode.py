@@ -75,12 +75,14 @@ class Inode:
 
     def encode(self) -> bytes:
         """The record as stored: a JSON list of the fields every inode has
-        (:data:`_HEAD`, the kind as one letter), then, if any, an object of the
-        others that are not at their defaults (most are not, for a listed
-        object): no field names for the common ones, ``decode`` gives all back."""
+        (:data:`_HEAD`; the kind as a number, an S3 ETag without its quotes:
+        ``_etag_out``), then, if any, an object of the others that are not at
+        their defaults (most are not, for a listed object): no field names for
+        the common ones, ``decode`` gives all back."""
         values = self.__dict__
         record: list[object] = [values[name] for name in _HEAD]
         record[1] = _KIND_CODES.get(self.kind, self.kind)
+        record[5] = _etag_out(self.etag)
         rest = {name: value for name, value in values.items()
                 if name not in _HEAD_SET and value != _INODE_DEFAULTS[name]}
         if rest:
@@ -97,12 +99,7 @@ class Inode:
         key = bytes(raw)
         known = _DECODED.get(key)
         if known is None:
-            record = json.loads(key)
-            if isinstance(record, dict):  # schema 3 and older (migrate re-encodes them)
-                known = cls(**record)
-            else:
-                known = cls(*record[:7], **(record[7] if len(record) > 7 else {}))
-                known.kind = _KINDS.get(known.kind, known.kind)
+            known = cls.from_json(json.loads(key))
             if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
                 for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
                     del _DECODED[old]
@@ -113,6 +110,21 @@ class Inode:
             inode.xattrs = dict(known.xattrs)
         if known.links:
             inode.links = [list(link) for link in known.links]
+        return inode
+
+    @classmethod
+    def from_json(cls, record: list | dict) -> Inode:
+        """An inode from its parsed record, whichever schema wrote it: an
+        object (3 and older), a list with the kind as a letter and the ETag as
+        is (4), or as now (the kind a number: 5)."""
+        if isinstance(record, dict):
+            return cls(**record)
+        inode = cls(*record[:7], **(record[7] if len(record) > 7 else {}))
+        if isinstance(inode.kind, int):
+            inode.kind = _KINDS[inode.kind]
+            inode.etag = _etag_in(inode.etag)
+        else:
+            inode.kind = _LETTERS.get(inode.kind, inode.kind)
         return inode
 
     @property
@@ -144,15 +156,34 @@ class Inode:
 def record_is_dir(raw: bytes | memoryview) -> bool:
     """Whether a stored record (:meth:`Inode.encode`) is a directory's, unparsed."""
     head = bytes(raw[:32])
-    return head[head.find(b",") + 1:].startswith(b'"d",')
+    return head[head.find(b",") + 1:].startswith(b"%d," % _KIND_CODES[DIR])
 
 
 _DECODED: dict[bytes, Inode] = {}
 #: the fields every stored record holds, in this order, without their names
 _HEAD = ("ino", "kind", "key", "parent", "size", "etag", "mtime_ns")
 _HEAD_SET = frozenset(_HEAD)
-_KIND_CODES = {FILE: "f", DIR: "d", LINK: "l", FIFO: "p", CHR: "c", BLK: "b", SOCK: "s"}
+_KIND_CODES = {FILE: 0, DIR: 1, LINK: 2, FIFO: 3, CHR: 4, BLK: 5, SOCK: 6}
 _KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+#: schema 4's kind codes
+_LETTERS = {"f": FILE, "d": DIR, "l": LINK, "p": FIFO, "c": CHR, "b": BLK, "s": SOCK}
+
+
+def _etag_out(etag: str) -> str:
+    """An ETag as a record stores it: S3's ``"<hex>"`` without its quotes
+    (four bytes of JSON escapes fewer); any other with a ``=`` in front."""
+    if len(etag) > 2 and etag[0] == etag[-1] == '"' and '"' not in etag[1:-1] \
+            and etag[1] != "=":
+        return etag[1:-1]
+    return "=" + etag if etag else ""
+
+
+def _etag_in(stored: str) -> str:
+    if not stored:
+        return ""
+    return stored[1:] if stored[0] == "=" else f'"{stored}"'
+
+
 #: fields left out of a stored record when they hold these values
 _INODE_DEFAULTS: dict[str, object] = {
     f.name: f.default_factory() if f.default_factory is not MISSING else f.default

@@ -124,11 +124,12 @@ SYS_NODE = b"node"
 SYS_SCHEMA = b"schema"
 SYS_PACKS_REPLAYED_AT = b"packs_replayed_at"
 
-SCHEMA_VERSION = b"4"
+SCHEMA_VERSION = b"5"
 #: what each older schema needs to become the current one (see ``migrate``)
 MIGRATIONS = {
     b"2": "mode 0 meant 'the default for the kind': that is -1 now; inode records compact",
     b"3": "inode records compact (a list of the common fields, not an object)",
+    b"4": "inode records: the kind a number, an ETag's quotes left out",
 }
 
 # -- encodings ----------------------------------------------------------------
@@ -177,10 +178,11 @@ MIGRATE_CHUNK = 10_000  # inode records rewritten per transaction
 
 
 def migrate(env: lmdb.Environment, version: bytes,
-            encode: Callable[[dict[str, Any]], bytes]) -> None:
+            encode: Callable[[dict[str, Any] | list[Any]], bytes | None]) -> None:
     """Bring a store of an older schema up to date: every record is kept
     (dirty data above all), only its form changes. ``encode`` stores an inode
-    record (the fields as schema 3 named them) as now. Records are rewritten
+    record (as any schema wrote it, parsed) as now, or returns None where it
+    already is. Records are rewritten
     in transactions of :data:`MIGRATE_CHUNK` (a store of millions would
     outgrow one), the schema set last: cut short, the next open goes on
     (a record is read in either form)."""
@@ -200,10 +202,11 @@ def migrate(env: lmdb.Environment, version: bytes,
                     break
                 last = bytes(cursor.key())
                 record = json.loads(bytes(cursor.value()))
-                if isinstance(record, dict):  # (else written as now)
-                    if version == b"2" and record.get("mode", 0) == 0:
-                        record["mode"] = -1
-                    cursor.put(last, encode(record))
+                if version == b"2" and isinstance(record, dict) and record.get("mode", 0) == 0:
+                    record["mode"] = -1
+                raw = encode(record)
+                if raw is not None:
+                    cursor.put(last, raw)
                 found = cursor.next()
         if not found:
             break
