@@ -58,6 +58,8 @@ class Files:
         handle.kill_setid = writable and uid != 0
         if not writable and self.config.dir_prefetch:
             self.dir_prefetch.opened(inode, handle.version)
+        if not writable and not flags & os.O_TRUNC:
+            self.reads.fetch_small(handle)
         if flags & os.O_TRUNC:  # O_RDONLY|O_TRUNC truncates too, as Linux does
             try:
                 await self.writes.truncate(inode, 0)

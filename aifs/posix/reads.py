@@ -14,6 +14,7 @@ import errno
 import logging
 
 from aifs.cache.blocks import ObjectVersion
+from aifs.cache.segments import SMALL
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError
@@ -72,6 +73,16 @@ class Reads:
             return all(self.fetcher.cache.locate(whole, i) for i in range(first, last + 1))
         return all(self.fetcher.cache.locate(version, i)
                    for i in range((version.size - 1) // bs + 1))
+
+    def fetch_small(self, handle: OpenFile) -> None:
+        """Start fetching a small lake object as it is opened for reading: its
+        first READ comes a request or two later (Python's ``open`` asks
+        ``isatty`` in between) and finds the GET under way."""
+        version = handle.version
+        if version.source or not 0 < version.size <= SMALL or self.local.has(handle.ino) \
+                or self.fetcher.available(version, 0):
+            return
+        self.fetcher.prefetch(version, 0, 0)
 
     async def whole(self, handle: OpenFile) -> bytes:
         """All the bytes of the version ``handle`` reads (not counted as a read)."""
