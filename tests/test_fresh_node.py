@@ -120,7 +120,6 @@ def test_a_walk_finds_the_subdirectories_listed_ahead(lake, mounter):
 
         def lists() -> int:
             return lake_requests(mount.path).get("ListObjectsV2", 0)
-        os.lstat(mount.path / "ds")  # the root's listing (at mount, in the background) done
         start = lists()
         assert sorted(os.listdir(mount.path / "ds")) == [f"s{d}" for d in range(subdirs)]
         if listed_ahead is not None:

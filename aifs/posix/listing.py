@@ -58,11 +58,6 @@ class Listings:
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        # The first thing a fresh mount is asked is its root (and, for any
-        # listing, the pack journals): listed at once, not at the first `ls`.
-        root = self.meta.get(ROOT_INO)
-        if root is not None:
-            nursery.start_soon(self._refresh, root)
 
     # -- lookups ------------------------------------------------------------
     async def lookup(self, parent: int, name: bytes) -> Inode | None:
