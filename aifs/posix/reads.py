@@ -60,8 +60,8 @@ class Reads:
         return ObjectVersion(version.source, "", size, version.policy, version.pinned)
 
     def cached_whole(self, version: ObjectVersion) -> bool:
-        """Whether every byte of ``version`` is in the block cache (reading
-        it whole asks the lake nothing)."""
+        """Whether every byte of ``version`` is in the block cache, or on its
+        way there (reading it whole asks the lake nothing)."""
         if version.size == 0:
             return False
         bs = self.block_size
@@ -70,9 +70,8 @@ class Reads:
             if whole is None:
                 return False
             first, last = version.base // bs, (version.base + version.size - 1) // bs
-            return all(self.fetcher.cache.locate(whole, i) for i in range(first, last + 1))
-        return all(self.fetcher.cache.locate(version, i)
-                   for i in range((version.size - 1) // bs + 1))
+            return all(self.fetcher.cached(whole, i) for i in range(first, last + 1))
+        return all(self.fetcher.cached(version, i) for i in range((version.size - 1) // bs + 1))
 
     def fetch_small(self, handle: OpenFile) -> None:
         """Start fetching a small lake object as it is opened for reading: its

@@ -150,6 +150,7 @@ class BlockFetcher:
         self._store_lock = threading.Lock()
         self._drained = threading.Condition(self._store_lock)
         self._pending: deque[tuple[ObjectVersion, int, bytes, _Flight]] = deque()
+        self._queued_slots: set[tuple[str, int]] = set()  # the blocks of _pending
         self._store_threads = 0
         self._token: trio.lowlevel.TrioToken | None = None
         self._fds: OrderedDict[str, int] = OrderedDict()  # path -> descriptor
@@ -367,6 +368,7 @@ class BlockFetcher:
                      flight: _Flight) -> None:
         with self._store_lock:
             self._pending.append((version, index, data, flight))
+            self._queued_slots.add((version.ident, index))
             backlog = len(self._pending)
         if backlog >= STORE_BATCH * (self._store_threads + 1):
             self._start_store_thread()
@@ -403,11 +405,17 @@ class BlockFetcher:
                 admitted = False
             with self._store_lock:
                 self._storing -= len(data)
+                self._queued_slots.discard((version.ident, index))
                 flight.admitted = admitted
                 flight.finished = True
                 tell = flight.watched
             if tell:
                 self._token.run_sync_soon(flight.stored.set)
+
+    def cached(self, version: ObjectVersion, index: int) -> bool:
+        """Whether a block is on the cache disk, or fetched and queued to be."""
+        return self.cache.locate(version, index) is not None \
+            or (version.ident, index) in self._queued_slots
 
     async def _stored(self, flight: _Flight) -> None:
         """Wait until ``flight``'s block is stored (or will not be)."""
