@@ -18,6 +18,7 @@ the first refusal turns O_DIRECT off for this writer's lifetime.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -25,6 +26,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -82,25 +84,32 @@ class DirectWriter:
         """Write ``data`` at ``offset`` (aligned) of a file from :meth:`open`;
         with O_DIRECT, padded with zeros to a whole ``ALIGN``."""
         if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
-            size = len(data)
-            padded = -(-size // ALIGN) * ALIGN
-            buffer, address = self._take(padded)
-            try:
-                _copy_in(address, buffer, data, size)
-                if padded > size:
-                    ctypes.memset(address + size, 0, padded - size)
-                with memoryview(buffer) as view:
-                    try:
-                        _pwrite_all(fd, view[:padded], offset)
-                        return
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                self._refused(f"/proc/self/fd/{fd}")
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            finally:
-                self._give_back(buffer, address)
+            with self._aligned(data) as view:
+                try:
+                    _pwrite_all(fd, view, offset)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+            self._refused(f"/proc/self/fd/{fd}")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         _pwrite_all(fd, data, offset)
+
+    @contextlib.contextmanager
+    def _aligned(self, data: bytes | memoryview) -> Iterator[memoryview]:
+        """``data`` in a reused page-aligned buffer, padded with zeros to a
+        whole ``ALIGN`` (a view of the padded length)."""
+        size = len(data)
+        padded = -(-size // ALIGN) * ALIGN
+        buffer, address = self._take(padded)
+        try:
+            _copy_in(address, buffer, data, size)
+            if padded > size:
+                ctypes.memset(address + size, 0, padded - size)
+            with memoryview(buffer) as view, view[:padded] as part:
+                yield part
+        finally:
+            self._give_back(buffer, address)
 
     def _refused(self, path: str | os.PathLike[str]) -> None:
         if self.enabled:
@@ -109,25 +118,14 @@ class DirectWriter:
                      "through the page cache", os.path.dirname(path) or ".")
 
     def _write_direct(self, path: str | os.PathLike[str], data: bytes | memoryview) -> None:
-        size = len(data)
-        padded = -(-size // ALIGN) * ALIGN
-        buffer, address = self._take(padded)
-        try:
-            _copy_in(address, buffer, data, size)
-            if padded > size:
-                ctypes.memset(address + size, 0, padded - size)
+        with self._aligned(data) as view:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
             try:
-                with memoryview(buffer) as view:
-                    done = 0
-                    while done < padded:
-                        done += os.pwrite(fd, view[done:padded], done)
-                if padded > size:
-                    os.ftruncate(fd, size)
+                _pwrite_all(fd, view, 0)
+                if len(view) > len(data):
+                    os.ftruncate(fd, len(data))
             finally:
                 os.close(fd)
-        finally:
-            self._give_back(buffer, address)
 
     def _take(self, size: int) -> tuple[mmap.mmap, int]:
         with self._lock:
