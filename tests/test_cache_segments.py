@@ -92,13 +92,30 @@ def test_a_torn_index_line_loses_that_block_only(tmp_path):
     cache.close()
     index = tmp_path / "segments" / "1.idx"
     whole = index.read_bytes()
-    for torn in (b"+ 0123 0 8192 4096 9f3\xff\xfe default regu", b"+ 0123 0 81",
-                 b"c 0123", b"- 0123 x", b"+ 0123 0 8192 4096 zz default regular"):
+    for torn in (b"+ 0123 0 8192 4096 9f3\xff\xfe default regu", b"+ 0123 0 81", b"+ 0123 0",
+                 b"c 0123", b"- 0123 x", b"+ 0123 0 8192 4096 zz default regular",
+                 b"- kept 0"):
         index.write_bytes(whole + torn)
         again = BlockCache(tmp_path, 64 * MiB)
         assert read(again.locate(kept, 0)) == data
         assert again.used == len(data)
+        assert index.read_bytes() == whole  # cut back: the next line starts a line
         again.close()
+
+
+def test_a_segment_left_without_its_index_is_removed_and_its_number_not_reused(tmp_path):
+    """A crash between making a segment and its index, or a disk that refused
+    the index: the segment is dropped at the next start and new blocks go to
+    a segment of a new number (not one a reader may still hold open)."""
+    (tmp_path / "segments").mkdir()
+    (tmp_path / "segments" / "7.seg").write_bytes(b"x" * 4096)
+    cache = BlockCache(tmp_path, 64 * MiB)
+    version = ObjectVersion("k", "etag", 5 * KiB)
+    data = os.urandom(5 * KiB)
+    assert cache.store(version, 0, data)
+    assert read(cache.locate(version, 0)) == data
+    assert sorted(os.listdir(tmp_path / "segments")) == ["8.idx", "8.seg"]
+    cache.close()
 
 
 def test_a_pin_of_segment_blocks_survives_a_restart(tmp_path):

@@ -119,8 +119,18 @@ def test_nothing_listening_is_a_connection_error(which):
     assert info.value.cause == "connection" and info.value.connecting
 
 
-def test_a_chunked_answer_is_read_whole(server):
-    port, script, _ = server
-    script.append(reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                        b"3\r\nabc\r\n4;x=1\r\ndefg\r\n0\r\n\r\n"))
-    assert clients(port)[0]() == b"abcdefg"
+@pytest.mark.parametrize("which", [0, 1], ids=["thread", "event-loop"])
+def test_chunked_and_unsized_answers_are_read_whole(server, which):
+    """S3 servers may send an error's body in chunks, or to the connection's end."""
+    port, script, accepted = server
+    get = clients(port)[which]
+    script += [reply(b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"3\r\nabc\r\n4;x=1\r\ndefg\r\n0\r\nX-T: 1\r\n\r\n"),
+               reply(ok(b"next")),  # the same connection, kept
+               reply(b"HTTP/1.1 200 OK\r\n\r\nto the end", keep=False),
+               reply(ok(b"after"))]
+    assert get() == b"abcdefg"
+    assert get() == b"next"
+    assert get() == b"to the end"
+    assert get() == b"after"
+    assert accepted[0] == 2

@@ -104,13 +104,17 @@ class BlockCache:
         self._scan()
 
     def _scan(self) -> None:
-        found: list[tuple[float, str, int]] = []
+        in_segments: dict[str, tuple[float, int]] = {}
         for ident, index, where, policy, cls, order in self.segments.scan():
             rel = f"{ident[:2]}/{ident}/{index}"
+            stale = self._where.get(rel)
+            if stale is not None:  # in two segments (an eviction's note lost): the newer
+                self.segments.punch(ident, index, stale)
             self._where[rel] = where
             self._policy[ident] = policy
             self._class[ident] = cls if cls in CLASSES else REGULAR  # the last record's
-            found.append((order, rel, where.size))
+            in_segments[rel] = (order, where.size)
+        found = [(order, rel, size) for rel, (order, size) in in_segments.items()]
         for shard in os.scandir(self.root):
             if not shard.is_dir():
                 continue

@@ -12,7 +12,7 @@ Layout, under ``<cache>/segments/``:
 - ``<n>.seg``: the blocks, each at an offset aligned for O_DIRECT;
 - ``<n>.idx``: one line per event, appended after the block's bytes are
   written: ``+ ident index offset size checksum policy class`` (stored),
-  ``- ident index`` (evicted: its range punched out of the segment),
+  ``- ident index offset`` (evicted: its range punched out of the segment),
   ``c ident class`` (``aifs pin``/``unpin`` moved the object's blocks).
 
 A segment block is read whole and checked against its xxh3 checksum on every
@@ -83,6 +83,8 @@ class Segments:
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._current: _Segment | None = None
+        self._next = 1  # the next segment's number (scan sets it past those on disk)
+        self._closed = False
         self._writer = DirectWriter()
 
     # -- start: what the segments hold ------------------------------------
@@ -90,15 +92,16 @@ class Segments:
     def scan(self) -> Iterator[tuple[str, int, Location, str, str, float]]:
         """Every block kept from before: ``(ident, index, location, policy,
         class, order)``, ``order`` growing with the time it was stored."""
-        numbers = sorted(int(name[:-4]) for name in os.listdir(self.root)
-                         if name.endswith(".idx") and name[:-4].isdigit())
-        for number in numbers:
+        found = {int(name[:-4]) for name in os.listdir(self.root)
+                 if name[-4:] in (".idx", ".seg") and name[:-4].isdigit()}
+        self._next = max(found, default=0) + 1  # numbers are never reused
+        for number in sorted(found):
             segment = _Segment(number, str(self.root / f"{number}.seg"))
             try:
                 size = os.stat(segment.path).st_size
-                lines = (self.root / f"{number}.idx").read_text(errors="replace").splitlines()
                 mtime = os.stat(segment.path).st_mtime
-            except OSError:
+                lines = self._read_index(number)
+            except OSError:  # one of the two files is missing: nothing indexed
                 self._remove(number)
                 continue
             blocks: dict[tuple[str, int], tuple[Location, str]] = {}
@@ -106,34 +109,39 @@ class Segments:
             for line in lines:
                 parts = line.split()
                 try:
-                    kind = parts[0] if parts and len(parts) in (3, 8) else ""
-                    if kind in ("+", "-"):
-                        int(parts[2])
-                    if kind == "+":
-                        int(parts[3]), int(parts[4]), int(parts[5], 16)
-                except ValueError:  # a line torn by a power loss: skipped
+                    if len(parts) == 8 and parts[0] == "+":
+                        ident, index, offset, length = parts[1], int(parts[2]), \
+                            int(parts[3]), int(parts[4])
+                        where = Location(segment.path, offset, length, int(parts[5], 16))
+                        if offset + length <= size:  # else its bytes never made it
+                            blocks[ident, index] = (where, parts[6])
+                            classes[ident] = parts[7]
+                    elif len(parts) == 4 and parts[0] == "-":
+                        old = blocks.get((parts[1], int(parts[2])))
+                        if old is not None and old[0].offset == int(parts[3]):
+                            del blocks[parts[1], int(parts[2])]
+                    elif len(parts) == 3 and parts[0] == "c":
+                        classes[parts[1]] = parts[2]
+                except ValueError:  # a line a power loss cut short: skipped
                     continue
-                if len(parts) == 8 and parts[0] == "+":
-                    ident, index, offset, length = parts[1], int(parts[2]), int(parts[3]), \
-                        int(parts[4])
-                    if offset + length <= size:  # else its bytes never made it
-                        blocks[ident, index] = (
-                            Location(segment.path, offset, length, int(parts[5], 16)),
-                            parts[6])
-                        classes[ident] = parts[7]
-                        segment.end = max(segment.end, _aligned(offset + length))
-                elif len(parts) == 3 and parts[0] == "-":
-                    blocks.pop((parts[1], int(parts[2])), None)
-                elif len(parts) == 3 and parts[0] == "c":
-                    classes[parts[1]] = parts[2]
             if not blocks:
                 self._remove(number)
                 continue
             segment.live = len(blocks)
-            segment.end = max(segment.end, _aligned(size))
+            segment.end = _aligned(size)
             self._segments[number] = segment
             for i, ((ident, index), (where, policy)) in enumerate(blocks.items()):
                 yield ident, index, where, policy, classes[ident], mtime + i * 1e-6
+
+    def _read_index(self, number: int) -> list[str]:
+        """A segment's index lines; a last line a power loss cut short is cut
+        off the file too (what is appended next must start a line of its own)."""
+        path = self.root / f"{number}.idx"
+        raw = path.read_bytes()
+        if raw and not raw.endswith(b"\n"):
+            raw = raw[:raw.rfind(b"\n") + 1]
+            os.truncate(path, len(raw))
+        return raw.decode(errors="replace").splitlines()
 
     # -- storing ------------------------------------------------------------
 
@@ -142,33 +150,43 @@ class Segments:
         """Write a block; raises OSError if the disk refuses it."""
         size = len(data)
         with self._lock:
+            if self._closed:
+                raise OSError(errno.ESHUTDOWN, "the block cache is closed")
             segment = self._current
             if segment is None or segment.end >= self.segment_size:
                 segment = self._open_next()
             offset = segment.end
             segment.end = _aligned(offset + size)
             segment.writers += 1
+        done = False
         try:
             self._writer.pwrite(segment.fd, data, offset)
             where = Location(segment.path, offset, size, checksum(data))
             os.write(segment.index_fd, (f"+ {ident} {index} {offset} {size} "
                                         f"{where.checksum:x} {policy} {cls}\n").encode())
+            done = True
         finally:
             with self._lock:
                 segment.writers -= 1
+                if done:
+                    segment.live += 1
                 self._close_if_done(segment)
-        with self._lock:
-            segment.live += 1
         return where
 
     def _open_next(self) -> _Segment:
-        """A new segment to append to (under the lock)."""
-        number = max(self._segments, default=0) + 1
+        """A new segment to append to (under the lock); its index is made
+        first, so a segment file is never left without one."""
+        number = self._next
+        self._next += 1
         segment = _Segment(number, str(self.root / f"{number}.seg"))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        segment.fd = self._writer.open(segment.path, flags)
-        segment.index_fd = os.open(self.root / f"{number}.idx",
-                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        index_path = self.root / f"{number}.idx"
+        segment.index_fd = os.open(index_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            segment.fd = self._writer.open(segment.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError:
+            os.close(segment.index_fd)
+            self._remove(number)
+            raise
         old, self._current = self._current, segment
         self._segments[number] = segment
         if old is not None:
@@ -176,12 +194,17 @@ class Segments:
         return segment
 
     def _close_if_done(self, segment: _Segment) -> None:
-        """Close a full segment's descriptors once no append is under way."""
-        if segment is self._current or segment.writers or segment.fd < 0:
+        """Close a full segment's descriptors once no append is under way
+        (under the lock); delete it if its blocks are all gone meanwhile."""
+        if (segment is self._current and not self._closed) or segment.writers \
+                or segment.fd < 0:
             return
         os.close(segment.fd)
         os.close(segment.index_fd)
         segment.fd = segment.index_fd = -1
+        if segment.live <= 0 and self._segments.get(segment.number) is segment:
+            del self._segments[segment.number]
+            self._remove(segment.number)
 
     # -- evicting, reclassing ------------------------------------------------
 
@@ -200,7 +223,10 @@ class Segments:
             self._remove(number)
             return
         try:
-            self._note(number, f"- {ident} {index}\n")
+            self._note(number, f"- {ident} {index} {where.offset}\n")
+        except OSError as exc:  # the block's checksum still tells it is gone
+            log.debug("cannot note the eviction of %s/%d: %s", ident, index, exc.strerror)
+        try:
             fd = os.open(where.path, os.O_WRONLY)
             try:
                 if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
@@ -236,12 +262,11 @@ class Segments:
                 pass
 
     def close(self) -> None:
+        """No more appends; descriptors close now, or as their last append ends."""
         with self._lock:
-            for segment in self._segments.values():
-                if segment.fd >= 0:
-                    os.close(segment.fd)
-                    os.close(segment.index_fd)
-                    segment.fd = segment.index_fd = -1
+            self._closed = True
+            for segment in list(self._segments.values()):
+                self._close_if_done(segment)
             self._current = None
 
 

@@ -235,7 +235,18 @@ class AsyncConnections:
                                                       type=socket.SOCK_STREAM)
             except OSError as exc:
                 raise Broken(type(exc).__name__, "connection", connecting=True) from None
-            self._family, _, _, _, self._address = infos[0]
+            failed: Broken | None = None
+            for family, _, _, _, address in infos:  # the first that answers is kept
+                self._family, self._address = family, address
+                try:
+                    return await self._connect_to()
+                except Broken as exc:
+                    failed, self._address = exc, None
+            raise failed or Broken("no address", "connection", connecting=True)
+        return await self._connect_to()
+
+    async def _connect_to(self) -> _AsyncConnection:
+        assert self._address is not None
         sock = socket.socket(self._family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
@@ -292,6 +303,8 @@ class AsyncConnections:
                     and headers.get("connection", "").lower() != "close"
                 if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
                     body = b""
+                elif "chunked" in headers.get("transfer-encoding", "").lower():
+                    body = await conn.chunks()  # (S3 error answers may come so)
                 elif "content-length" in headers:
                     length = int(headers["content-length"])
                     if not await conn.fill_to(length):
@@ -299,8 +312,10 @@ class AsyncConnections:
                                      "truncated")
                     body = bytes(conn.buf[:length])
                     del conn.buf[:length]
-                else:  # chunked or to the end of the connection: rare here
-                    raise Broken("answer without a length", "truncated")
+                else:  # to the end of the connection
+                    while await conn.more():
+                        pass
+                    body, keep = bytes(conn.buf), False
             if keep and not conn.buf and len(self._idle) < self.keep:
                 self._idle.append(conn)
                 kept = True
@@ -336,7 +351,7 @@ class _AsyncConnection:
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(self.sock)
 
-    async def _more(self) -> bool:
+    async def more(self) -> bool:
         """Read what has come into ``buf``; False at the end of the connection."""
         while True:
             try:
@@ -359,14 +374,34 @@ class _AsyncConnection:
             if len(self.buf) > LINE:
                 raise ValueError("headers too long")
             start = max(0, len(self.buf) - len(marker) + 1)
-            if not await self._more():
+            if not await self.more():
                 return -1
 
     async def fill_to(self, length: int) -> bool:
         while len(self.buf) < length:
-            if not await self._more():
+            if not await self.more():
                 return False
         return True
+
+    async def chunks(self) -> bytes:
+        pieces = []
+        while True:
+            end = await self.until(b"\r\n")
+            if end < 0:
+                raise Broken("answer cut short in its chunks", "truncated")
+            size = int(bytes(self.buf[:end]).split(b";", 1)[0].strip() or b"0", 16)
+            del self.buf[:end + 2]
+            if size == 0:
+                while (end := await self.until(b"\r\n")) > 0:
+                    del self.buf[:end + 2]  # trailers
+                if end < 0:
+                    raise Broken("answer cut short in its trailers", "truncated")
+                del self.buf[:2]
+                return b"".join(pieces)
+            if not await self.fill_to(size + 2) or self.buf[size:size + 2] != b"\r\n":
+                raise Broken("answer cut short in a chunk", "truncated")
+            pieces.append(bytes(self.buf[:size]))
+            del self.buf[:size + 2]
 
     def close(self) -> None:
         if not self.closed:

@@ -156,7 +156,7 @@ class S3Store(ObjectStore):
             return b""
         if self.http is not None:
             http = self.http
-            if http.loop is not None and length <= SMALL_GET:
+            if http.loop is not None and length <= SMALL_GET and not http.credentials_due():
                 async with self.limiter:  # a small GET: from the event loop
                     return await http.get_range_async(self._k(key), key, start, length,
                                                        if_match)

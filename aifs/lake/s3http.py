@@ -213,6 +213,12 @@ class SignedHTTP:
         return self._range(self._send("GET", key, what, self._range_headers(
             start, length, if_match)), what, start, length)
 
+    def credentials_due(self) -> bool:
+        """Whether signing now would refresh the credentials (an STS or instance
+        role's, near their expiry): a blocking call, for a thread, not the loop."""
+        needed = getattr(self.credentials, "refresh_needed", None)
+        return bool(needed and needed())
+
     async def get_range_async(self, key: str, name: str, start: int, length: int,
                               if_match: str | None) -> bytes:
         """:meth:`get_range` from the event loop (``self.loop`` must be set)."""

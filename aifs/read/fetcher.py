@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,7 +150,7 @@ class BlockFetcher:
         self._store_lock = threading.Lock()
         self._drained = threading.Condition(self._store_lock)
         self._pending: deque[tuple[ObjectVersion, int, bytes, _Flight]] = deque()
-        self._queued_slots: set[tuple[str, int]] = set()  # the blocks of _pending
+        self._queued_slots: Counter[tuple[str, int]] = Counter()  # the blocks of _pending
         self._store_threads = 0
         self._token: trio.lowlevel.TrioToken | None = None
         self._fds: OrderedDict[str, int] = OrderedDict()  # path -> descriptor
@@ -328,17 +328,19 @@ class BlockFetcher:
             del self._flights[slot]
             with self._store_lock:
                 self._storing += len(data)
-                queued = len(data) <= SMALL and self._storing <= STORE_BEHIND
-            self.make_room(self._storing)  # blocks on their way to disk count too
-            if queued:  # small: stored behind the reader, no trip back here
-                self._store_later(version, index, data, flight)
-                return
+                behind = len(data) <= SMALL and self._storing <= STORE_BEHIND
             try:
+                self.make_room(self._storing)  # blocks on their way to disk count too
+                if behind:  # small: stored behind the reader, no trip back here
+                    self._store_later(version, index, data, flight)
+                    queued = True
+                    return
                 flight.admitted = await trio.to_thread.run_sync(
                     self.cache.store, version, index, data, limiter=self._store_limiter)
             finally:
-                with self._store_lock:
-                    self._storing -= len(data)
+                if not queued:
+                    with self._store_lock:
+                        self._storing -= len(data)
         except Exception as exc:  # handed to every waiter
             self.stats.errors += 1
             if not prefetch:
@@ -368,7 +370,7 @@ class BlockFetcher:
                      flight: _Flight) -> None:
         with self._store_lock:
             self._pending.append((version, index, data, flight))
-            self._queued_slots.add((version.ident, index))
+            self._queued_slots[version.ident, index] += 1
             backlog = len(self._pending)
         if backlog >= STORE_BATCH * (self._store_threads + 1):
             self._start_store_thread()
@@ -405,7 +407,10 @@ class BlockFetcher:
                 admitted = False
             with self._store_lock:
                 self._storing -= len(data)
-                self._queued_slots.discard((version.ident, index))
+                slot = (version.ident, index)
+                self._queued_slots[slot] -= 1
+                if self._queued_slots[slot] <= 0:
+                    del self._queued_slots[slot]
                 flight.admitted = admitted
                 flight.finished = True
                 tell = flight.watched
