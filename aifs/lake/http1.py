@@ -115,27 +115,19 @@ class Connections:
             if not status_line:
                 raise _Stale()
             started = True
-            parts = status_line.split(None, 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-                raise Broken(f"not an HTTP answer: {status_line[:40]!r}", "truncated")
-            status = int(parts[1])
-            headers: dict[str, str] = {}
-            while True:
-                line = conn.rfile.readline(LINE)
+            lines = []
+            while (line := conn.rfile.readline(LINE)) not in (b"\r\n", b"\n"):
                 if not line:
                     raise Broken("answer cut short in its headers", "truncated")
-                if line in (b"\r\n", b"\n"):
-                    break
-                name, _, value = line.decode("latin-1").partition(":")
-                name, value = name.strip().lower(), value.strip()
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            keep = parts[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
-            if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+                lines.append(line)
+            status, headers, keep = _head(status_line, lines)
+            framing = _framing(method, status, headers)
+            if framing == 0:
                 body = b""
-            elif "chunked" in headers.get("transfer-encoding", "").lower():
+            elif framing == "chunked":
                 body = _chunks(conn)
-            elif "content-length" in headers:
-                length = int(headers["content-length"])
+            elif isinstance(framing, int):
+                length = framing
                 body = conn.rfile.read(length)
                 if len(body) != length:
                     raise Broken(f"body cut short ({len(body)} of {length} bytes)",
@@ -172,6 +164,33 @@ class Connections:
 
 class _Stale(Exception):
     """The connection was closed before any byte of the answer."""
+
+
+def _head(status_line: bytes, lines: list[bytes]) -> tuple[int, dict[str, str], bool]:
+    """An answer's status, headers (names in lower case) and whether its
+    connection may serve another request."""
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise Broken(f"not an HTTP answer: {status_line[:40]!r}", "truncated")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, _, value = line.decode("latin-1").partition(":")
+        name, value = name.strip().lower(), value.strip()
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    keep = parts[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    return int(parts[1]), headers, keep
+
+
+def _framing(method: str, status: int, headers: dict[str, str]) -> int | str:
+    """How an answer's body ends: after that many bytes (0: there is none),
+    ``"chunked"``, or ``"close"`` (with the connection)."""
+    if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        return 0
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return "chunked"
+    if "content-length" in headers:
+        return int(headers["content-length"])
+    return "close"
 
 
 def _chunks(conn: _Connection) -> bytes:
@@ -289,24 +308,14 @@ class AsyncConnections:
                     raise Broken("answer cut short in its headers", "truncated")
                 lines = bytes(conn.buf[:end]).split(b"\r\n")
                 del conn.buf[:end + 4]
-                parts = lines[0].split(None, 2)
-                if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") \
-                        or not parts[1].isdigit():
-                    raise Broken(f"not an HTTP answer: {lines[0][:40]!r}", "truncated")
-                status = int(parts[1])
-                headers: dict[str, str] = {}
-                for line in lines[1:]:
-                    name, _, value = line.decode("latin-1").partition(":")
-                    name, value = name.strip().lower(), value.strip()
-                    headers[name] = f"{headers[name]}, {value}" if name in headers else value
-                keep = parts[0] == b"HTTP/1.1" \
-                    and headers.get("connection", "").lower() != "close"
-                if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+                status, headers, keep = _head(lines[0], lines[1:])
+                framing = _framing(method, status, headers)
+                if framing == 0:
                     body = b""
-                elif "chunked" in headers.get("transfer-encoding", "").lower():
+                elif framing == "chunked":
                     body = await conn.chunks()  # (S3 error answers may come so)
-                elif "content-length" in headers:
-                    length = int(headers["content-length"])
+                elif isinstance(framing, int):
+                    length = framing
                     if not await conn.fill_to(length):
                         raise Broken(f"body cut short ({len(conn.buf)} of {length} bytes)",
                                      "truncated")
