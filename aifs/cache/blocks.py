@@ -173,11 +173,16 @@ class BlockCache:
             where = self._where.get(rel)
         return where or Location(str(self.root / rel), 0, size)
 
-    def drop(self, version: ObjectVersion, index: int) -> None:
-        """Forget a block whose bytes read back wrong (a crash tore them)."""
+    def drop(self, version: ObjectVersion, index: int, where: Location) -> None:
+        """Forget a block whose bytes read back wrong at ``where`` (a crash tore
+        them), unless it was stored again elsewhere meanwhile."""
+        rel = self._rel(version, index)
+        with self._lock:
+            if self._where.get(rel) != where:
+                return
         log.warning("cached block %d of %s read back damaged: fetched again",
                     index, version.key)
-        self._forget(self._rel(version, index))
+        self._forget(rel)
 
     def store(self, version: ObjectVersion, index: int, data: bytes) -> bool:
         """Cache a block; False if it was not admitted (or could not be written)."""

@@ -192,8 +192,8 @@ class BlockFetcher:
                 if checksum(data) == where.checksum:
                     self.stats.disk_hits += 1
                     return data[lo:hi]
-                if self.cache.locate(version, index) == where:
-                    self.cache.drop(version, index)
+                trio.lowlevel.start_thread_soon(  # (its disk I/O: a thread's)
+                    lambda: self.cache.drop(version, index, where), lambda outcome: None)
         self.stats.misses += 1
         return memoryview(await self.block(version, index))[lo:hi]
 
