@@ -7,11 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
+import trio
 
+from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.errors import ObjectNotFound
 from aifs.lake.counting import CountingStore
 from aifs.lake.local import LocalStore
 from aifs.metrics import prometheus_text
+from aifs.read.fetcher import BlockFetcher
 
 
 @pytest.mark.trio
@@ -29,6 +32,31 @@ async def test_counting_store_counts_requests_bytes_and_pages(tmp_path):
     assert store.errors["HeadObject"] == 0  # "not found" is an answer, not a failure
     assert store.requests["ListObjectsV2"] == len(pages) == 3  # 1000 keys a page
     assert store.bytes_written == 5 and store.bytes_read == 3
+
+
+@pytest.mark.trio
+async def test_a_block_fetched_at_open_counts_as_a_miss_when_read_not_a_hit(tmp_path):
+    """A small file's block is fetched as the file is opened; its first read
+    may come after the GET is done, but it is still a read the cache missed
+    (the bytes came from the lake), so the hit ratio stays honest."""
+    (tmp_path / "lake").mkdir()
+    store = CountingStore(LocalStore(str(tmp_path / "lake")))
+    await store.put("s.bin", b"x" * 1000)
+    version = ObjectVersion("s.bin", (await store.head("s.bin")).etag, 1000)
+    cache = BlockCache(tmp_path / "cache", 1 << 20)
+    fetcher = BlockFetcher(store, cache, 1 << 20, 1 << 20, max_prefetch=4)
+    async with trio.open_nursery() as nursery:
+        fetcher.start(nursery)
+        fetcher.fetch_for_open(version, 0)
+        await fetcher.block(version, 0)  # the GET is done before the read comes
+        fetcher.stats.memory_hits = 0
+        assert bytes(await fetcher.read(version, 0, 0, 1000)) == b"x" * 1000
+        assert (fetcher.stats.misses, fetcher.stats.memory_hits) == (1, 0)
+        assert bytes(await fetcher.read(version, 0, 0, 10)) == b"x" * 10  # now a hit
+        assert (fetcher.stats.misses, fetcher.stats.memory_hits) == (1, 1)
+        assert store.requests["GetObject"] == 1
+        assert await trio.to_thread.run_sync(fetcher.wait_stored, 10)
+    cache.close()
 
 
 def test_prometheus_text_is_well_formed():

@@ -78,10 +78,9 @@ class Reads:
         first READ comes a request or two later (Python's ``open`` asks
         ``isatty`` in between) and finds the GET under way."""
         version = handle.version
-        if version.source or not 0 < version.size <= SMALL or self.local.has(handle.ino) \
-                or self.fetcher.available(version, 0):
+        if version.source or not 0 < version.size <= SMALL or self.local.has(handle.ino):
             return
-        self.fetcher.prefetch(version, 0, 0)
+        self.fetcher.fetch_for_open(version, 0)
 
     async def whole(self, handle: OpenFile) -> bytes:
         """All the bytes of the version ``handle`` reads (not counted as a read)."""

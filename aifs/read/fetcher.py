@@ -155,6 +155,9 @@ class BlockFetcher:
         self._token: trio.lowlevel.TrioToken | None = None
         self._fds: OrderedDict[str, int] = OrderedDict()  # path -> descriptor
         self._advised: OrderedDict[tuple[str, int], None] = OrderedDict()
+        #: blocks fetched for a file as it was opened (``fetch_for_open``) whose
+        #: first read has not come yet: that read counts as the miss it is
+        self._opened: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.max_open_blocks = 64
         self.stats = FetchStats()
 
@@ -174,28 +177,50 @@ class BlockFetcher:
                    hi: int) -> bytes | memoryview:
         """Bytes [lo, hi) of block ``index``: from memory, the disk cache, or the lake."""
         slot = (version.ident, index)
+        # the first read of a block fetched at its file's open: a miss even if
+        # the GET was done before the read came
+        opened = self._opened.pop(slot, 0) is None
+        if opened:
+            self.stats.misses += 1
         data = self._memory.get(slot)
         if data is not None:
             self._memory.move_to_end(slot)
-            self.stats.memory_hits += 1
+            if not opened:
+                self.stats.memory_hits += 1
             return memoryview(data)[lo:hi]
         if slot not in self._flights:
             found = self._block_fd(version, index)
             if found is not None:
                 fd, where = found
                 if where.checksum is None:
-                    self.stats.disk_hits += 1
+                    if not opened:
+                        self.stats.disk_hits += 1
                     return await read_at(fd, where.offset + lo, hi - lo, self._disk_limiter)
                 # a segment block: read whole and checked (it may have been
                 # evicted, its range punched out, while this read looked it up)
                 data = await read_at(fd, where.offset, where.size, self._disk_limiter)
                 if checksum(data) == where.checksum:
-                    self.stats.disk_hits += 1
+                    if not opened:
+                        self.stats.disk_hits += 1
                     return data[lo:hi]
                 trio.lowlevel.start_thread_soon(  # (its disk I/O: a thread's)
                     lambda: self.cache.drop(version, index, where), lambda outcome: None)
-        self.stats.misses += 1
+        if not opened:
+            self.stats.misses += 1
         return memoryview(await self.block(version, index))[lo:hi]
+
+    def fetch_for_open(self, version: ObjectVersion, index: int) -> None:
+        """Start fetching a block a reader is about to ask for (its file was
+        just opened), unless it is at hand or on its way: a demand fetch, not
+        read-ahead (no read-ahead slot; its first read counts as a miss)."""
+        if self.available(version, index):
+            return
+        slot = (version.ident, index)
+        # (a failure is logged by the read that meets it, not here too)
+        self._launch(version, index, prefetch=True, take_slot=False)
+        self._opened[slot] = None
+        while len(self._opened) > 1024:  # opened and never read: forgotten
+            self._opened.popitem(last=False)
 
     def _block_fd(self, version: ObjectVersion, index: int) -> tuple[int, Location] | None:
         """An open descriptor of the file holding the cached block and where in
