@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--pack-wait", type=float, help="seconds")
     mount.add_argument("--pack-compact-below", type=float, help="live share, 0 to 1")
     mount.add_argument("--pack-gc-grace", type=float, help="seconds")
+    mount.add_argument("--fold-shard-records", type=int, help="records per shard of a fold")
     mount.add_argument("--stale-upload-age", type=float, help="seconds")
     mount.add_argument("--fsync", choices=["local", "lake"])
     mount.add_argument("--direct-writes", choices=["true", "false"])
@@ -157,7 +158,7 @@ def _mount(args: argparse.Namespace) -> int:
         "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
         "direct_writes",
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
-        "stale_upload_age",
+        "fold_shard_records", "stale_upload_age",
         "object_attrs", "dir_prefetch", "list_ahead", "fuse_binding", "passthrough",
         "fuse_poll_us",
         "policy_rules", "staging_hold",

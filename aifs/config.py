@@ -100,6 +100,10 @@ class Config:
     pack_compact_below: float = _option(0.5, "Packs whose live share falls below this are "
                                         "rewritten without their dead bytes (compaction).",
                                         "float")
+    fold_shard_records: int = _option(8192, "A fold of more records than this is split "
+                                      "by directory into shard objects of about this many "
+                                      "records, so that a new node reads only the "
+                                      "directories it lists.", "int")
     stale_upload_age: float = _option(86400.0, "Seconds after which an unfinished multipart "
                                       "upload that no mount of this cache owns is aborted, "
                                       "at mount and by aifs gc (one whose creation reply "
@@ -273,6 +277,8 @@ class Config:
             raise ConfigError(f"metrics_port must be a TCP port, not {self.metrics_port}")
         if self.unmount_timeout < 0:
             raise ConfigError("unmount_timeout must not be negative")
+        if self.fold_shard_records < 1:
+            raise ConfigError("fold_shard_records must be at least 1")
         if self.pack_threshold < 0 or self.pack_size < 1 << 20:
             raise ConfigError("pack_threshold must not be negative; pack_size must be at "
                               "least 1M")

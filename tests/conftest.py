@@ -486,7 +486,14 @@ def lake_packed(lake: Lake, objects: dict[str, int] | None = None) -> dict[str, 
     for key, _ in journals:
         raw = lake.get_object(key)
         if key.endswith(".gz"):  # a fold: a header line, then a record per line
-            records = [json.loads(line) for line in gzip.decompress(raw).splitlines()[1:]]
+            lines = gzip.decompress(raw).splitlines()
+            records = [json.loads(line) for line in lines[1:]]
+            # a sharded fold: the records about keys are in its shards, a
+            # header line then a record per line each
+            ident = key[len(JOURNALS):-len(".fold.jsonl.gz")]
+            for shard in range(json.loads(lines[0]).get("shards", 0)):
+                part = gzip.decompress(lake.get_object(f".aifs/index/{ident}/{shard}.jsonl.gz"))
+                records += [json.loads(line) for line in part.splitlines()[1:]]
         else:
             records = json.loads(raw)["records"]
         for record in records:

@@ -12,8 +12,10 @@ import time
 
 import pytest
 
+from aifs.lake.counting import CountingStore
 from aifs.lake.local import LocalStore
 from aifs.meta.store import MetaStore
+from aifs.pack.folds import encode_sharded_fold, read_shard, shard_key, shard_of
 from aifs.pack.index import (
     FOLD_SUFFIX,
     JOURNAL_DIR,
@@ -23,6 +25,7 @@ from aifs.pack.index import (
     checksum,
     deletion,
     encode_fold,
+    object_record,
     read_fold,
 )
 from aifs.pack.journals import Journals, PackStats
@@ -227,3 +230,97 @@ async def test_a_node_behind_a_fold_that_left_out_deletions_replays_from_scratch
     assert {e.key for e in node.under("d/")} == {"d/kept", "d/mine"}
     assert node.outbox_records()[0] == [put("d/mine", "p1", 20, 10, 12)]
     assert node.pack_info("p1")["live"] == 20
+
+
+async def _sharded_lake(tmp_path, files_per_dir: int = 30, dirs: int = 20):
+    """A lake whose journals were folded into a sharded fold; the writer's
+    index (which holds it all) and the fold's name."""
+    store = CountingStore(LocalStore(str(tmp_path / "lake")))
+    writer = index(tmp_path, "writer")
+    names = []
+    for d in range(dirs):
+        records = [{"op": "pack", "pack": f"p{d}", "size": 10 * files_per_dir, "t": d}]
+        records += [put(f"d{d}/f{i}", f"p{d}", 10 * i, 10, 100 + i)
+                    for i in range(files_per_dir)]
+        records.append(object_record(f"d{d}/", '"marker"', {"mode": "16877"}, 5))
+        name = f"{JOURNAL_DIR}{d:020d}-w-{d}{JOURNAL_SUFFIX}"
+        await store.put(name, json.dumps({"v": 1, "node": "w", "records": records}).encode())
+        writer.apply(records, name)
+        names.append(name)
+    head, parts = encode_sharded_fold("w", names, writer.snapshot(0), 0, shards=8)
+    fold = f"{JOURNAL_DIR}{99:020d}-w-99{FOLD_SUFFIX}"
+    for shard, part in enumerate(parts):
+        await store.put(shard_key(fold, shard), part)
+    await store.put(fold, head)
+    await store.delete_many(names)
+    return store, writer, fold
+
+
+def _files(idx: PackIndex, prefix: str) -> dict:
+    return {name: entry for name, entry in idx.children(prefix)}
+
+
+async def test_a_sharded_fold_is_read_one_directory_at_a_time(tmp_path):
+    """A new node reads a sharded fold's head, then for each directory it lists
+    only the shard that holds it: what it reads grows with the directories it
+    visits, and once it has read them all its index is the writer's."""
+    store, writer, fold = await _sharded_lake(tmp_path)
+    reader = index(tmp_path, "reader")
+    replay = Journals(store, reader, 60.0, PackStats())
+    before = store.requests["GetObject"]
+    await replay.refresh()
+    assert store.requests["GetObject"] - before == 1  # the head alone
+    assert reader.pack_info("p3")["size"] == 300  # its pack records: sizes for reads
+    assert _files(reader, "d3/") == {}  # nothing about keys yet
+
+    before = store.requests["GetObject"]
+    await replay.ensure_dir("d3/")
+    assert store.requests["GetObject"] - before == 1
+    assert _files(reader, "d3/") == _files(writer, "d3/") and len(_files(writer, "d3/")) == 30
+    await replay.ensure_dir("")  # the top's shard: the directories' markers
+    assert reader.objects("") == writer.objects("") and "d3/" in reader.objects("")
+    loaded = {d for d in range(20) if _files(reader, f"d{d}/")}
+    assert len(loaded) < 20  # the other directories' shards were not read
+
+    before = store.requests["GetObject"]
+    await replay.ensure_dir("d3/")  # read once
+    assert store.requests["GetObject"] == before
+    await replay.ensure_complete()
+    assert reader.pending() == {}
+    assert list(reader.snapshot(0)) == list(writer.snapshot(0))
+    assert replay.stats.shards_read == 8
+
+
+async def test_a_sharded_fold_folded_again_is_read_from_the_newer_fold(tmp_path):
+    """Another node folds again (a newer fold covers the first; the first and
+    its shards are deleted) while this node has read only some shards: the
+    next directory it lists comes from the newer fold."""
+    store, writer, fold = await _sharded_lake(tmp_path)
+    reader = index(tmp_path, "reader")
+    replay = Journals(store, reader, 60.0, PackStats())
+    await replay.refresh()
+    await replay.ensure_dir("d1/")
+    head, parts = encode_sharded_fold("w", [fold], writer.snapshot(0), 0, shards=4)
+    newer = f"{JOURNAL_DIR}{100:020d}-w-100{FOLD_SUFFIX}"
+    for shard, part in enumerate(parts):
+        await store.put(shard_key(newer, shard), part)
+    await store.put(newer, head)
+    await store.delete_many([fold] + [shard_key(fold, shard) for shard in range(8)])
+
+    missing = next(d for d in range(20)
+                   if shard_of(f"d{d}/", 8) not in reader.pending()[fold]["done"])
+    await replay.ensure_dir(f"d{missing}/")
+    assert _files(reader, f"d{missing}/") == _files(writer, f"d{missing}/")
+    assert list(reader.pending()) == [newer]
+    await replay.ensure_complete()
+    assert list(reader.snapshot(0)) == list(writer.snapshot(0))
+
+
+def test_a_shard_of_another_fold_or_damaged_is_refused():
+    lines = [json.dumps(put(f"d{i % 7}/k{i}", "p", i, 1, i)).encode() for i in range(500)]
+    _, parts = encode_sharded_fold("node", ["j"], iter(lines), 0, shards=4)
+    assert sum(len(records) for part in range(4)
+               for records, _ in read_shard(parts[part], part, 4)) == 500
+    for raw, shard, shards in ((parts[1], 2, 4), (parts[1], 1, 8), (parts[1][:40], 1, 4)):
+        with pytest.raises(ValueError):
+            list(read_shard(raw, shard, shards))

@@ -234,6 +234,41 @@ def test_gc_folds_the_journals_and_a_fresh_node_reads_only_the_fold(lake, mounte
     assert (third.path / "ds/renamed.dat").read_bytes() == files[names[1]]
 
 
+def test_a_fresh_node_reads_only_the_shards_of_the_directories_it_lists(lake, mounter,
+                                                                       aifs_cli):
+    """Past fold_shard_records a fold is split by directory: a fresh node that
+    reads one directory reads the fold's head and the shards of the
+    directories on its way, not the whole index; renaming a directory whose
+    subdirectories it never listed still moves every packed file below."""
+    files = small_files(400, seed=21, low=1 * KiB, high=4 * KiB, dirs=8)
+    names = sorted(files)
+    a = mounter(lake, "--pack-wait", "60", "--fold-shard-records", "40", name="a")
+    for start in range(0, 400, 200):  # two packs, two journals
+        write_files(a.path, {n: files[n] for n in names[start:start + 200]})
+        sync(aifs_cli, a.path)
+    result = aifs_cli("gc", str(a.path))
+    assert result.returncode == 0, result.stderr
+    shards = [k for k in lake_objects(lake) if k.startswith(".aifs/index/")]
+    assert len(shards) >= 8, shards
+    assert set(lake_packed(lake)) == set(files)  # as docs/packing.md says to read it
+
+    fresh = mounter(lake, name="fresh")
+    one = [n for n in names if n.startswith("ds/d3/")]
+    got = read_digests(fresh.path, one)
+    assert all(got[n] == digest(files[n]) for n in one)
+    stats = json.loads(os.getxattr(fresh.path, "user.aifs.stats"))
+    assert stats["journals_read"] == 1  # the fold's head
+    assert 1 <= stats["shards_read"] <= 3, stats  # "", "ds/" and "ds/d3/" at most
+
+    os.rename(fresh.path / "ds", fresh.path / "moved")
+    sync(aifs_cli, fresh.path)
+    third = mounter(lake, name="third")
+    moved = {"moved/" + n[len("ds/"):]: data for n, data in files.items()}
+    got = read_digests(third.path, sorted(moved))
+    assert all(got[n] == digest(moved[n]) for n in moved)
+    assert not (third.path / "ds").exists()
+
+
 def test_compaction_reclaims_space_and_keeps_the_data(lake, mounter, aifs_cli):
     files = small_files(400, seed=9, low=16 * KiB, high=32 * KiB, dirs=1)
     a = mounter(lake, "--pack-gc-grace", "0", "--pack-wait", "60", name="a")

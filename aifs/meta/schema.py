@@ -72,6 +72,8 @@ next_outbox          u64 counter: the next ``outbox`` sequence number
 node                 this cache directory's node id (packs and journals carry it)
 schema               schema version (``SCHEMA_VERSION``)
 packs_replayed_at    u64 wall time (ns) of the LIST of the last complete replay
+packs_pending        JSON {fold name: {sizes, done}}: sharded folds replayed here
+                     but for some of their shards (read as directories are listed)
 ===================  =============================================================
 """
 
@@ -123,6 +125,7 @@ SYS_NEXT_OUTBOX = b"next_outbox"
 SYS_NODE = b"node"
 SYS_SCHEMA = b"schema"
 SYS_PACKS_REPLAYED_AT = b"packs_replayed_at"
+SYS_PACKS_PENDING = b"packs_pending"
 
 SCHEMA_VERSION = b"5"
 #: what each older schema needs to become the current one (see ``migrate``)

@@ -3,7 +3,10 @@ objects, with journals that say where each file is.
 
 - :mod:`~aifs.pack.index` — the pack index in LMDB (packed files, journal
   records, the outbox of records to publish) and the record format.
-- :mod:`~aifs.pack.journals` — reading other nodes' journals (replay).
+- :mod:`~aifs.pack.folds` — the fold format: many journals in one object, and
+  for a big index split by directory into shards.
+- :mod:`~aifs.pack.journals` — reading other nodes' journals (replay), and the
+  shards of sharded folds as directories are listed.
 - :mod:`~aifs.pack.packer` — gathering settled small files into a pack and
   publishing the pack and its journal.
 - :mod:`~aifs.pack.compaction` — compaction, garbage collection, and packing

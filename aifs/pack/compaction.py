@@ -37,6 +37,7 @@ from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, PreconditionFailed
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.store import MetaStore, valid_name
+from aifs.pack.folds import encode_sharded_fold, shard_dir, shard_key
 from aifs.pack.index import (
     FOLD_SUFFIX,
     JOURNAL_DIR,
@@ -109,6 +110,7 @@ class Compactor:
     async def compact(self, own_only: bool = False, result: Upkeep | None = None) -> Upkeep:
         """Rewrite the live entries of sparse packs into new packs."""
         result = result or Upkeep()
+        await self.packer.journals.ensure_complete()  # every entry of every pack
         batch: list[tuple[PackedEntry, bytes]] = []
         size = 0
         for pack in self._sparse(own_only):
@@ -168,6 +170,7 @@ class Compactor:
         result = result or Upkeep()
         grace = self.config.pack_gc_grace if grace is None else grace
         await self.packer.journals.refresh()
+        await self.packer.journals.ensure_complete()  # a pack's live bytes, all counted
         now = time.time()
         doomed: list[ObjectInfo] = []
         async for page in self.store.iter_list(PACK_DIR, None):
@@ -199,17 +202,43 @@ class Compactor:
         covers = sorted(await self.packer.journals.refresh())
         if len(covers) < max(2, at_least):
             return result
+        await self.packer.journals.ensure_complete()
         keep_after = time.time_ns() - int(self.config.pack_gc_grace * 1e9)
-        body = await trio.to_thread.run_sync(
-            lambda: encode_fold(self.packer.node, covers, self.index.snapshot(keep_after),
-                                keep_after))
         name = JOURNAL_DIR + self.packer.new_pack_id() + FOLD_SUFFIX
+        per_shard = self.config.fold_shard_records
+        shards = 1
+        while shards * per_shard < self.index.record_count():
+            shards *= 2
+        if shards == 1:
+            body = await trio.to_thread.run_sync(
+                lambda: encode_fold(self.packer.node, covers, self.index.snapshot(keep_after),
+                                    keep_after))
+        else:  # the shards first: a fold in the lake has all its shards there
+            body, parts = await trio.to_thread.run_sync(
+                lambda: encode_sharded_fold(self.packer.node, covers,
+                                            self.index.snapshot(keep_after), keep_after,
+                                            shards))
+            slots = trio.Semaphore(16)
+
+            async def put(shard: int, part: bytes) -> None:
+                async with slots:
+                    await self.store.put(shard_key(name, shard), part)
+
+            async with trio.open_nursery() as nursery:
+                for shard, part in enumerate(parts):
+                    nursery.start_soon(put, shard, part)
         await self.store.put(name, body)
         self.index.apply([], name)
-        for start in range(0, len(covers), 1000):  # only now: the fold stands for them
-            await self.store.delete_many(covers[start:start + 1000])
+        doomed = list(covers)
+        for covered in covers:  # the shards of sharded folds it covers go too
+            if covered.endswith(FOLD_SUFFIX):
+                async for page in self.store.iter_list(shard_dir(covered), None):
+                    doomed += [obj.key for obj in page.objects]
+        for start in range(0, len(doomed), 1000):  # only now: the fold stands for them
+            await self.store.delete_many(doomed[start:start + 1000])
         result.journals_folded += len(covers)
-        log.info("folded %d journals into %s (%d bytes)", len(covers), name, len(body))
+        log.info("folded %d journals into %s (%d bytes%s)", len(covers), name, len(body),
+                 f", {shards} shards" if shards > 1 else "")
         return result
 
     async def gc(self) -> Upkeep:
@@ -228,6 +257,7 @@ class Compactor:
         """Pack the small plain objects below ``prefix`` (``aifs pack``)."""
         result = self.progress = Upkeep()
         await self.packer.journals.refresh()
+        await self.packer.journals.ensure_complete()
         threshold = self.packer.threshold
         todo: list[ObjectInfo] = []
         async for page in self.store.iter_list(prefix, None):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from aifs.meta.schema import (
     DB_PACKED,
     DB_PACKMEMBER,
     SYS_NEXT_OUTBOX,
+    SYS_PACKS_PENDING,
     SYS_PACKS_REPLAYED_AT,
     compact_json,
     is_hashed,
@@ -41,12 +41,21 @@ from aifs.meta.schema import (
     u64,
 )
 from aifs.meta.store import MetaStore
+from aifs.pack.folds import (  # (the fold format; named here too for the callers)
+    FOLD_SUFFIX,
+    FORMAT_VERSION,
+    JOURNAL_DIR,
+    FoldHeader,
+    encode_fold,
+    read_fold,
+)
+
+__all__ = ["FOLD_SUFFIX", "FORMAT_VERSION", "JOURNAL_DIR", "PACK_DIR", "FoldHeader",
+           "PackIndex", "PackedEntry", "Record", "checksum", "decode_journal", "deletion",
+           "encode_fold", "is_packed_at", "object_record", "pack_key", "read_fold"]
 
 PACK_DIR = ".aifs/packs/"
-JOURNAL_DIR = ".aifs/journal/"
 JOURNAL_SUFFIX = ".json"
-FOLD_SUFFIX = ".fold.jsonl.gz"  # a fold: the records of many journals, in one object
-FORMAT_VERSION = 1
 
 Record = dict[str, Any]
 
@@ -121,84 +130,6 @@ def object_record(key: str, etag: str, metadata: dict[str, str],
 
 def deletion(key: str, stamp: int | None = None) -> Record:
     return {"op": "del", "key": key, "t": stamp if stamp is not None else time.time_ns()}
-
-
-def encode_fold(node: str, covers: list[str], records: Iterable[bytes],
-                dels_after: int) -> bytes:
-    """A fold object: the index's records (raw JSON, one per line, after a
-    header line) standing for the journals and folds named in ``covers``,
-    without the deletions stamped before ``dels_after`` (ns); gzip-compressed
-    as they stream by (a fold may hold millions)."""
-    header = {"v": FORMAT_VERSION, "node": node, "dels_after": dels_after, "covers": covers}
-    packer = zlib.compressobj(3, wbits=31)  # gzip format
-    out = [packer.compress(compact_json(header).encode() + b"\n")]
-    chunk: list[bytes] = []
-    for record in records:
-        chunk.append(record)
-        if len(chunk) >= 4096:
-            out.append(packer.compress(b"\n".join(chunk) + b"\n"))
-            chunk = []
-    out.append(packer.compress(b"\n".join(chunk) + b"\n" if chunk else b""))
-    out.append(packer.flush())
-    return b"".join(out)
-
-
-@dataclass(frozen=True)
-class FoldHeader:
-    covers: list[str]  # the journals and folds it stands for
-    dels_after: int  # ns: older deletions were left out
-
-
-def read_fold(raw: bytes, batch: int = 5000
-              ) -> tuple[FoldHeader, Iterator[tuple[list[Record], list[bytes]]]]:
-    """The header and the batches of records (parsed, and as their lines) of
-    a fold object, decompressed as it is read; ValueError if it cannot be
-    read (from the batches too)."""
-    unpacker = zlib.decompressobj(wbits=31)
-
-    def lines() -> Iterator[bytes]:
-        rest = b""
-        try:
-            for start in range(0, len(raw), 1 << 20):
-                rest += unpacker.decompress(raw[start:start + (1 << 20)])
-                *complete, rest = rest.split(b"\n")
-                yield from complete
-            rest += unpacker.flush()
-        except zlib.error as exc:
-            raise ValueError(f"not gzip: {exc}") from None
-        if not unpacker.eof or rest.strip():
-            raise ValueError("truncated")
-
-    stream = lines()
-    try:
-        header = json.loads(next(stream))
-        covers, dels_after = header["covers"], header.get("dels_after", 0)
-    except (StopIteration, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"no header: {exc!r}") from None
-    if not isinstance(covers, list) or not isinstance(dels_after, int):
-        raise ValueError("covers is not a list, or dels_after not a number")
-
-    def parse(lines: list[bytes]) -> list[Record]:
-        try:  # one parse per batch: much cheaper than one per line
-            records = json.loads(b"[" + b",".join(lines) + b"]")
-        except ValueError:
-            raise ValueError("a record is not JSON") from None
-        if not all(isinstance(record, dict) for record in records):
-            raise ValueError("a record is not a JSON object")
-        return records
-
-    def batches() -> Iterator[tuple[list[Record], list[bytes]]]:
-        lines: list[bytes] = []
-        for line in stream:
-            if line.strip():
-                lines.append(line)
-            if len(lines) >= batch:
-                yield parse(lines), lines
-                lines = []
-        if lines:
-            yield parse(lines), lines
-
-    return FoldHeader(covers, dels_after), batches()
 
 
 def decode_journal(raw: bytes) -> list[Record]:
@@ -421,10 +352,14 @@ class PackIndex:
 
     # -- writes ---------------------------------------------------------------
     def apply(self, records: Iterable[Record], journal: str | None = None,
-              covered: Iterable[str] = (), raws: Iterable[bytes] | None = None) -> None:
+              covered: Iterable[str] = (), raws: Iterable[bytes] | None = None,
+              shards: list[int] | None = None) -> None:
         """Apply journal records (and mark ``journal``, and the journals a fold
         ``covered``, replayed), in one transaction. ``raws``: the records'
-        compact JSON, stored as it is instead of encoded again."""
+        compact JSON, stored as it is instead of encoded again. ``shards``:
+        ``journal`` is a sharded fold with shards of these sizes, none read
+        yet (see :meth:`pending`); a fold it covers that was still pending is
+        not any more (this one holds all it held)."""
         with self.env.begin(write=True) as txn:
             packs = _PackInfos(txn, self.packs)
             if raws is None:
@@ -434,8 +369,52 @@ class PackIndex:
                 for record, raw in zip(records, raws, strict=True):
                     self._apply(txn, record, packs, raw)
             packs.write()
-            for name in ([journal] if journal is not None else []) + list(covered):
+            names = ([journal] if journal is not None else []) + list(covered)
+            for name in names:
                 txn.put(name.encode(), b"", db=self.journals)
+            pending = self._pending(txn)
+            if shards is not None or pending.keys() & set(names):
+                for name in names:
+                    pending.pop(name, None)
+                if shards is not None and journal is not None:
+                    pending[journal] = {"sizes": shards, "done": []}
+                self._set_pending(txn, pending)
+
+    def apply_shard(self, records: list[Record], raws: list[bytes], fold: str,
+                    shard: int) -> None:
+        """Apply the records of shard ``shard`` of a pending fold and note it read
+        (records of a fold since covered by a newer one are still true: they
+        are applied, by their time stamps, like any others)."""
+        with self.env.begin(write=True) as txn:
+            packs = _PackInfos(txn, self.packs)
+            for record, raw in zip(records, raws, strict=True):
+                self._apply(txn, record, packs, raw)
+            packs.write()
+            pending = self._pending(txn)
+            state = pending.get(fold)
+            if state is not None:
+                if shard not in state["done"]:
+                    state["done"].append(shard)
+                if len(state["done"]) >= len(state["sizes"]):
+                    del pending[fold]
+                self._set_pending(txn, pending)
+
+    def pending(self) -> dict[str, dict[str, list[int]]]:
+        """The sharded folds whose shards are not all read here: fold name ->
+        {"sizes": size of each shard object, "done": the shards read}."""
+        with self.env.begin() as txn:
+            return self._pending(txn)
+
+    def _pending(self, txn: lmdb.Transaction) -> dict[str, dict[str, list[int]]]:
+        raw = txn.get(SYS_PACKS_PENDING, db=self.sys)
+        return json.loads(raw) if raw else {}
+
+    def _set_pending(self, txn: lmdb.Transaction,
+                     pending: dict[str, dict[str, list[int]]]) -> None:
+        if pending:
+            txn.put(SYS_PACKS_PENDING, compact_json(pending).encode(), db=self.sys)
+        else:
+            txn.delete(SYS_PACKS_PENDING, db=self.sys)
 
     def replayed_at(self) -> int:
         """Wall time (ns) of the listing of the last complete replay (0: never):
@@ -448,6 +427,11 @@ class PackIndex:
         with self.env.begin(write=True) as txn:
             txn.put(SYS_PACKS_REPLAYED_AT, u64(ns), db=self.sys)
 
+    def record_count(self) -> int:
+        """Records held (live files, plain objects' records, deletions)."""
+        with self.env.begin() as txn:
+            return int(txn.stat(self.entries)["entries"])
+
     def is_empty(self) -> bool:
         with self.env.begin() as txn:
             return int(txn.stat(self.entries)["entries"]) == 0
@@ -459,6 +443,7 @@ class PackIndex:
             for db in (self.entries, self.members, self.packs, self.journals):
                 txn.drop(db, delete=False)
             txn.delete(SYS_PACKS_REPLAYED_AT, db=self.sys)
+            txn.delete(SYS_PACKS_PENDING, db=self.sys)
             packs = _PackInfos(txn, self.packs)
             for _, raw in txn.cursor(db=self.outbox):
                 self._apply(txn, json.loads(raw), packs)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from aifs.errors import ObjectNotFound
 from aifs.lake.base import ObjectStore
+from aifs.pack.folds import read_shard, shard_key, shard_of
 from aifs.pack.index import FOLD_SUFFIX, JOURNAL_DIR, PackIndex, decode_journal, read_fold
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class PackStats:
     packed_bytes: int = 0
     journals: int = 0
     journals_read: int = 0
+    shards_read: int = 0  # shards of sharded folds (read by directory)
     corrupt: int = 0
 
 
@@ -53,6 +56,7 @@ class Journals:
         self._running: trio.Event | None = None
         self._replayed: set[str] = set()
         self._from_scratch = False  # the index was reset in this refresh
+        self._shards_lock = trio.Lock()  # one task reads shards at a time: none twice
 
     @property
     def replayed(self) -> set[str]:
@@ -113,13 +117,16 @@ class Journals:
 
     def _apply_one(self, name: str, raw: bytes) -> None:
         """Apply a journal, or a fold batch by batch (the fold is marked read
-        with the last); ValueError if it cannot be read."""
+        with the last; a sharded fold's shards are read as directories are
+        listed: :meth:`ensure_dir`); ValueError if it cannot be read."""
         if not name.endswith(FOLD_SUFFIX):
             self.index.apply(decode_journal(raw), name)
             return
         header, batches = read_fold(raw)
         covers = header.covers
-        if len(self.index.seen(covers)) < len(covers):  # else all read here already
+        pending = self.index.pending()
+        applied = self.index.seen(covers) - pending.keys()
+        if len(applied) < len(covers):  # else all read here already
             if (header.dels_after > self.index.replayed_at() and not self._from_scratch
                     and not self.index.is_empty()):
                 # The fold left out deletions this node may not have read: an
@@ -128,7 +135,77 @@ class Journals:
                                          "this node's last replay")
             for records, lines in batches:
                 self.index.apply(records, raws=lines)
+            if header.shards:
+                self.index.apply([], name, covers, shards=header.shard_sizes)
+                return
         self.index.apply([], name, covers)
+
+    # -- sharded folds: read by directory ----------------------------------------
+    async def ensure_dir(self, prefix: str) -> None:
+        """Read the shard of each pending sharded fold that holds the records
+        of the keys in directory ``prefix`` (none if read already)."""
+        await self._read_shards(lambda shards: [shard_of(prefix, shards)])
+
+    async def ensure_complete(self) -> None:
+        """Read every shard not read yet: for what needs the whole index
+        (compaction, collection, a fold, the rename of a directory)."""
+        await self._read_shards(lambda shards: list(range(shards)))
+
+    async def _read_shards(self, wanted: Callable[[int], list[int]]) -> None:
+        def todo() -> list[tuple[str, int, int, int]]:  # (fold, shard, of, size)
+            return [(fold, shard, len(state["sizes"]), state["sizes"][shard])
+                    for fold, state in self.index.pending().items()
+                    for shard in wanted(len(state["sizes"])) if shard not in state["done"]]
+
+        if not todo():  # (the common case: no lock, no task switch)
+            return
+        async with self._shards_lock:
+            for attempt in range(2):
+                missing = await self._fetch_shards(todo())
+                if not missing:
+                    return
+                if attempt == 0:
+                    # Folded again by another node since: its fold holds them all.
+                    await self.refresh()
+                    continue
+                for fold, shard, _, _ in missing:  # listed, yet gone: nothing to read
+                    log.error("shard %d of %s is missing from the lake; packed files "
+                              "it held stay hidden", shard, fold)
+                    await trio.to_thread.run_sync(self.index.apply_shard, [], [], fold, shard)
+
+    async def _fetch_shards(self, todo: list[tuple[str, int, int, int]]
+                            ) -> list[tuple[str, int, int, int]]:
+        """Fetch and apply these shards, a few at a time; return those gone."""
+        missing: list[tuple[str, int, int, int]] = []
+        slots = trio.Semaphore(JOURNALS_AT_ONCE)
+
+        async def one(fold: str, shard: int, shards: int, size: int) -> None:
+            async with slots:
+                try:
+                    raw = await self.store.get_range(shard_key(fold, shard), 0, size)
+                except ObjectNotFound:
+                    missing.append((fold, shard, shards, size))
+                    return
+            await trio.to_thread.run_sync(self._apply_shard, fold, shard, shards, raw)
+
+        async with trio.open_nursery() as nursery:
+            for item in todo:
+                nursery.start_soon(one, *item)
+        return missing
+
+    def _apply_shard(self, fold: str, shard: int, shards: int, raw: bytes) -> None:
+        records: list = []
+        lines: list[bytes] = []
+        try:
+            for batch, batch_lines in read_shard(raw, shard, shards):
+                records += batch
+                lines += batch_lines
+        except ValueError as exc:
+            log.error("shard %d of %s is unreadable (%s); packed files it held stay "
+                      "hidden", shard, fold, exc)
+            records, lines = [], []
+        self.index.apply_shard(records, lines, fold, shard)
+        self.stats.shards_read += 1
 
     async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:
         """Fetch and apply, a few at a time (a new node may find thousands of

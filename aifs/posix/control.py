@@ -296,6 +296,7 @@ class Control:
                 "promote_failures": promoted.failures,
                 "packs": packed.packs, "packed_files": packed.packed_files,
                 "journals": packed.journals, "journals_read": packed.journals_read,
+                "shards_read": packed.shards_read,
                 "dir_prefetch_scans": self.dir_prefetch.scans,
                 "dir_prefetch_objects": self.dir_prefetch.fetched}
 

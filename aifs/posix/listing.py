@@ -296,7 +296,9 @@ class Listings:
         packed file's record (to the second); a packed copy made by ``aifs
         pack`` shows only while its original is unchanged (the original is the
         truth for other tools)."""
-        await self.packer.journals.refresh_if_stale()
+        journals = self.packer.journals
+        await journals.refresh_if_stale()
+        await journals.ensure_dir(directory.key)  # (a sharded fold: this directory's part)
         # A directory may hold 100,000 packed files: merge them in a worker
         # thread, so other requests go on meanwhile.
         await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)

@@ -249,6 +249,8 @@ class Namespace:
                     raise FsError(errno.ENOTEMPTY)
         if source.is_dir and inodes.is_under(target_dir, source.ino):
             raise FsError(errno.EINVAL)  # into its own subtree
+        if source.is_dir:  # its packed files below, in directories never listed too
+            await self.packer.journals.ensure_complete()
         inodes.save_written(source.ino)
         source = inodes.get(source.ino)
         new_key = target_dir.key + name_of(new_name) + ("/" if source.is_dir else "")
