@@ -134,3 +134,18 @@ def test_chunked_and_unsized_answers_are_read_whole(server, which):
     assert get() == b"to the end"
     assert get() == b"after"
     assert accepted[0] == 2
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["thread", "event-loop"])
+def test_an_interim_answer_is_skipped_for_the_real_one(server, which):
+    """A ``100 Continue`` (or ``103 Early Hints``) before the answer is not the
+    answer: its empty body must not be taken for the object's bytes, nor the
+    real answer left on the connection for the next request to read."""
+    port, script, accepted = server
+    get = clients(port)[which]
+    script += [reply(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n"
+                     + ok(b"the body")),
+               reply(ok(b"next"))]
+    assert get() == b"the body"
+    assert get() == b"next"
+    assert accepted[0] == 1

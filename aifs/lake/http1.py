@@ -115,12 +115,18 @@ class Connections:
             if not status_line:
                 raise _Stale()
             started = True
-            lines = []
-            while (line := conn.rfile.readline(LINE)) not in (b"\r\n", b"\n"):
-                if not line:
-                    raise Broken("answer cut short in its headers", "truncated")
-                lines.append(line)
-            status, headers, keep = _head(status_line, lines)
+            while True:
+                lines = []
+                while (line := conn.rfile.readline(LINE)) not in (b"\r\n", b"\n"):
+                    if not line:
+                        raise Broken("answer cut short in its headers", "truncated")
+                    lines.append(line)
+                status, headers, keep = _head(status_line, lines)
+                if not _interim(status):
+                    break
+                status_line = conn.rfile.readline(LINE)  # the answer after "100 Continue"
+                if not status_line:
+                    raise Broken("answer cut short after an interim one", "truncated")
             framing = _framing(method, status, headers)
             if framing == 0:
                 body = b""
@@ -179,6 +185,12 @@ def _head(status_line: bytes, lines: list[bytes]) -> tuple[int, dict[str, str], 
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     keep = parts[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
     return int(parts[1]), headers, keep
+
+
+def _interim(status: int) -> bool:
+    """An interim answer (``100 Continue``, ``102``, ``103``): the real one follows
+    on the same connection (a ``101`` switch of protocols is not one)."""
+    return 100 <= status < 200 and status != 101
 
 
 def _framing(method: str, status: int, headers: dict[str, str]) -> int | str:
@@ -306,9 +318,14 @@ class AsyncConnections:
                     if not conn.buf:
                         raise _Stale()
                     raise Broken("answer cut short in its headers", "truncated")
-                lines = bytes(conn.buf[:end]).split(b"\r\n")
-                del conn.buf[:end + 4]
-                status, headers, keep = _head(lines[0], lines[1:])
+                while True:
+                    lines = bytes(conn.buf[:end]).split(b"\r\n")
+                    del conn.buf[:end + 4]
+                    status, headers, keep = _head(lines[0], lines[1:])
+                    if not _interim(status):
+                        break
+                    if (end := await conn.until(b"\r\n\r\n")) < 0:
+                        raise Broken("answer cut short after an interim one", "truncated")
                 framing = _framing(method, status, headers)
                 if framing == 0:
                     body = b""
