@@ -147,8 +147,13 @@ class Session:
                     self.reading = False
                     self.done.set()
                     break
-                if await _Watched(self._serve(view[:n]), self._hand_over):
-                    self.waiting -= 1
+                watched = _Watched(self._serve(view[:n]), self._hand_over)
+                try:
+                    await watched
+                finally:  # (cancelled at shutdown too: the count stays right)
+                    if watched.waited:
+                        self.waiting -= 1
+                if watched.waited:
                     self.waited[p.IN_HEADER.unpack_from(view)[1]] += 1  # its opcode
                     break  # answered as a task of its own; the role went on
                 turns += 1
@@ -332,11 +337,12 @@ class _Watched:
     task switch at all. Returns True when the coroutine waited.
     """
 
-    __slots__ = ("coro", "on_wait")
+    __slots__ = ("coro", "on_wait", "waited")
 
     def __init__(self, coro: Coroutine[Any, Any, None], on_wait: Callable[[], None]) -> None:
         self.coro = coro
         self.on_wait = on_wait
+        self.waited = False  # on_wait was called (however the coroutine ended)
 
     def __await__(self) -> Generator[Any, Any, bool]:
         coro = self.coro
@@ -344,6 +350,7 @@ class _Watched:
             value = coro.send(None)
         except StopIteration:
             return False
+        self.waited = True
         self.on_wait()
         while True:
             try:
