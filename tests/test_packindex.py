@@ -11,7 +11,9 @@ import json
 import time
 
 import pytest
+import trio
 
+from aifs.errors import LakeError
 from aifs.lake.counting import CountingStore
 from aifs.lake.local import LocalStore
 from aifs.meta.store import MetaStore
@@ -324,3 +326,125 @@ def test_a_shard_of_another_fold_or_damaged_is_refused():
     for raw, shard, shards in ((parts[1], 2, 4), (parts[1], 1, 8), (parts[1][:40], 1, 4)):
         with pytest.raises(ValueError):
             list(read_shard(raw, shard, shards))
+
+
+async def test_a_compactions_moves_wait_for_the_shards_of_the_files_they_move(tmp_path):
+    """A move applies only where the file still is. A node that has read a
+    sharded fold's head but not the shard of a directory, then reads another
+    node's compaction of that directory's pack, must still end with the files
+    in the new pack (else it would count the new pack dead, and collect it)."""
+    store, writer, _ = await _sharded_lake(tmp_path)
+    reader = index(tmp_path, "reader")
+    replay = Journals(store, reader, 60.0, PackStats())
+    await replay.refresh()
+    moves = [{"op": "pack", "pack": "pnew", "size": 300, "t": 500}]
+    moves += [{"op": "move", "key": f"d3/f{i}", "from": ["p3", 10 * i], "pack": "pnew",
+               "off": 10 * i} for i in range(30)]
+    name = f"{JOURNAL_DIR}{200:020d}-w-200{JOURNAL_SUFFIX}"
+    await store.put(name, json.dumps({"v": 1, "node": "w", "records": moves}).encode())
+    writer.apply(moves, name)
+    await replay.refresh()
+    await replay.ensure_complete()
+    assert reader.entry("d3/f0").pack == "pnew"
+    assert reader.pack_info("pnew")["live"] == writer.pack_info("pnew")["live"] == 300
+    assert reader.pack_info("p3")["live"] == 0
+    assert list(reader.snapshot(0)) == list(writer.snapshot(0))
+
+
+async def test_a_shard_fetched_before_a_replay_from_scratch_is_not_applied(tmp_path):
+    """A shard on its way while the node replays from scratch (a newer fold
+    left out deletions) must not bring back a file deleted since."""
+    store, writer, fold = await _sharded_lake(tmp_path)
+    gate, reached = trio.Event(), trio.Event()
+
+    class Gated(CountingStore):
+        async def get_range(self, key, start, length, if_match=None):
+            raw = await super().get_range(key, start, length, if_match)
+            if key.startswith(".aifs/index/") and not gate.is_set():
+                reached.set()
+                await gate.wait()
+            return raw
+
+    gated = Gated(LocalStore(str(tmp_path / "lake")))
+    reader = index(tmp_path, "reader")
+    replay = Journals(gated, reader, 60.0, PackStats())
+    await replay.refresh()
+    reader.apply([put("other/x", "p0", 0, 10, 1)])  # (not empty: a reset is due)
+    deleted = f"{JOURNAL_DIR}{300:020d}-w-300{JOURNAL_SUFFIX}"
+    records = [deletion("d3/f0", 200)]
+    await store.put(deleted, json.dumps({"v": 1, "node": "w", "records": records}).encode())
+    writer.apply(records, deleted)
+    keep_after = time.time_ns()
+    head, parts = encode_sharded_fold("w", [fold, deleted], writer.snapshot(keep_after),
+                                      keep_after, shards=4)
+    newer = f"{JOURNAL_DIR}{400:020d}-w-400{FOLD_SUFFIX}"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replay.ensure_dir, "d3/")  # the old fold's shard, held back
+        await reached.wait()
+        for shard, part in enumerate(parts):
+            await store.put(shard_key(newer, shard), part)
+        await store.put(newer, head)
+        await store.delete_many([fold, deleted])
+        await replay.refresh()  # another listing: the newer fold, from scratch
+        gate.set()
+    await replay.ensure_complete()
+    assert writer.entry("d3/f0") is None
+    assert reader.entry("d3/f0") is None
+    assert reader.entry("d3/f1") is not None
+
+
+async def test_an_unreadable_shard_stops_what_needs_the_whole_index(tmp_path):
+    """A damaged shard: its files stay hidden in listings, and compaction,
+    collection and folding refuse to run (they would count its packs dead);
+    this node never folds the fold away, so its records are not lost."""
+    store, writer, fold = await _sharded_lake(tmp_path)
+    await store.put(shard_key(fold, shard_of("d3/", 8)), b"not a shard")
+    reader = index(tmp_path, "reader")
+    replay = Journals(store, reader, 60.0, PackStats())
+    await replay.refresh()
+    await replay.ensure_dir("d3/")  # logged; the listing goes on
+    assert _files(reader, "d3/") == {}
+    with pytest.raises(LakeError, match="could not be read"):
+        await replay.ensure_complete()
+    assert fold in reader.pending()
+    assert fold not in await replay.refresh()  # never covered by this node's fold
+
+
+async def test_a_directory_without_a_marker_shows_before_its_shard_is_read(tmp_path):
+    """A directory holding packed files, with no marker object (another
+    tool's): its parent's listing shows it from the fold's "dir" record; once
+    its own shard is read, it shows only while it holds live files."""
+    store = CountingStore(LocalStore(str(tmp_path / "lake")))
+    writer = index(tmp_path, "writer")
+    records = [{"op": "pack", "pack": "p", "size": 100, "t": 1}]
+    records += [put(f"top/d{d}/f{i}", "p", 10 * i, 10, 10 + i) for d in range(4)
+                for i in range(3)]
+    name = f"{JOURNAL_DIR}{1:020d}-w-1{JOURNAL_SUFFIX}"
+    await store.put(name, json.dumps({"v": 1, "node": "w", "records": records}).encode())
+    writer.apply(records, name)
+    gone = [deletion(f"top/d2/f{i}", 100) for i in range(3)]
+    writer.apply(gone)
+    head, parts = encode_sharded_fold("w", [name], writer.snapshot(0), 0, shards=4)
+    fold = f"{JOURNAL_DIR}{2:020d}-w-2{FOLD_SUFFIX}"
+    for shard, part in enumerate(parts):
+        await store.put(shard_key(fold, shard), part)
+    await store.put(fold, head)
+    await store.delete_many([name])
+
+    reader = index(tmp_path, "reader")
+    replay = Journals(store, reader, 60.0, PackStats())
+    await replay.refresh()
+    await replay.ensure_dir("")
+    assert [n for n, e in reader.children("")] == ["top"]
+    await replay.ensure_dir("top/")
+    assert sorted(n for n, e in reader.children("top/")) == ["d0", "d1", "d3"]
+    await replay.ensure_complete()
+    assert sorted(n for n, e in reader.children("top/")) == ["d0", "d1", "d3"]
+
+
+def test_a_fold_of_a_newer_format_is_refused():
+    body = encode_fold("node", ["j"], iter([]), 0)
+    header = json.loads(gzip.decompress(body).splitlines()[0])
+    header["v"] = 3
+    with pytest.raises(ValueError, match="newer"):
+        read_fold(gzip.compress(json.dumps(header).encode() + b"\n"))

@@ -37,7 +37,7 @@ from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound, PreconditionFailed
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.store import MetaStore, valid_name
-from aifs.pack.folds import encode_sharded_fold, shard_dir, shard_key
+from aifs.pack.folds import SHARD_DIR, encode_sharded_fold, shard_dir, shard_key
 from aifs.pack.index import (
     FOLD_SUFFIX,
     JOURNAL_DIR,
@@ -110,7 +110,9 @@ class Compactor:
     async def compact(self, own_only: bool = False, result: Upkeep | None = None) -> Upkeep:
         """Rewrite the live entries of sparse packs into new packs."""
         result = result or Upkeep()
-        await self.packer.journals.ensure_complete()  # every entry of every pack
+        if not own_only:  # (this node's own packs' entries are in its index already;
+            # one a pending shard says moved or deleted is moved in vain, no harm)
+            await self.packer.journals.ensure_complete()  # every entry of every pack
         batch: list[tuple[PackedEntry, bytes]] = []
         size = 0
         for pack in self._sparse(own_only):
@@ -169,8 +171,10 @@ class Compactor:
         """Delete packs no entry lives in any more, once dead for ``grace`` seconds."""
         result = result or Upkeep()
         grace = self.config.pack_gc_grace if grace is None else grace
-        await self.packer.journals.refresh()
-        await self.packer.journals.ensure_complete()  # a pack's live bytes, all counted
+        journals = self.packer.journals
+        await journals.refresh()
+        await journals.ensure_complete()  # a pack's live bytes, all counted
+        generation = journals.generation
         now = time.time()
         doomed: list[ObjectInfo] = []
         async for page in self.store.iter_list(PACK_DIR, None):
@@ -182,6 +186,20 @@ class Compactor:
                 dead_since = (info or {}).get("dead_since") or obj.mtime
                 if now - obj.mtime >= grace and now - dead_since >= grace:
                     doomed.append(obj)
+        # A listing may have replayed meanwhile: a fold from scratch, or a
+        # sharded fold's head whose entries (live bytes) are not read yet.
+        await journals.ensure_complete()
+        if journals.generation != generation:
+            log.info("the pack index changed while packs were collected; "
+                     "the collection waits for the next gc")
+            return result
+        doomed = [obj for obj in doomed
+                  if (self.index.pack_info(obj.key[len(PACK_DIR):]) or {}).get("live", 0) <= 0]
+        orphans = [obj.key for obj in await self._orphan_shards(now, grace)]
+        for start in range(0, len(orphans), 1000):
+            await self.store.delete_many(orphans[start:start + 1000])
+        if orphans:
+            log.info("deleted %d shards of folds no longer in the lake", len(orphans))
         for start in range(0, len(doomed), 1000):
             chunk = doomed[start:start + 1000]
             await self.store.delete_many([obj.key for obj in chunk])
@@ -193,6 +211,21 @@ class Compactor:
             log.info("collected %d packs (%d bytes)", len(doomed),
                      sum(obj.size for obj in doomed))
         return result
+
+    async def _orphan_shards(self, now: float, grace: float) -> list[ObjectInfo]:
+        """Shards of folds whose head is not in the lake (a fold cut short
+        before its head was put, or whose shards outlived it), once older
+        than ``grace``: a fold being written now keeps its shards."""
+        heads = set()
+        async for page in self.store.iter_list(JOURNAL_DIR, None):
+            heads |= {obj.key for obj in page.objects if obj.key.endswith(FOLD_SUFFIX)}
+        orphans: list[ObjectInfo] = []
+        async for page in self.store.iter_list(SHARD_DIR, None):
+            for obj in page.objects:
+                fold = obj.key[len(SHARD_DIR):].split("/", 1)[0]
+                if JOURNAL_DIR + fold + FOLD_SUFFIX not in heads and now - obj.mtime >= grace:
+                    orphans.append(obj)
+        return orphans
 
     # -- folding --------------------------------------------------------------------
     async def fold(self, result: Upkeep | None = None, at_least: int = 2) -> Upkeep:

@@ -99,11 +99,24 @@ def encode_sharded_fold(node: str, covers: list[str], records: Iterable[bytes],
     parts = [_GzipLines({"v": SHARDED_VERSION, "shard": i, "shards": shards})
              for i in range(shards)]
     packs: list[bytes] = []
+    holding: set[str] = set()  # directories with packed files at or below them
     for record in records:
         if b'"op":"pack"' in record:
             packs.append(record)
             continue
-        parts[shard_of(directory_of(json.loads(record)["key"]), shards)].add(record)
+        key = json.loads(record)["key"]
+        directory = directory_of(key)
+        parts[shard_of(directory, shards)].add(record)
+        if b'"op":"put"' in record:
+            while directory and directory not in holding:
+                holding.add(directory)
+                directory = directory_of(directory)
+    # A "dir" record in its parent's shard: the parent's listing shows the
+    # directory before the directory's own shard is read (it may have no
+    # marker object: made by another tool, its last plain object gone).
+    for directory in sorted(holding):
+        parts[shard_of(directory_of(directory), shards)].add(
+            compact_json({"op": "dir", "key": directory, "t": 0}).encode())
     bodies = [part.close() for part in parts]
     head = _GzipLines({"v": SHARDED_VERSION, "node": node, "dels_after": dels_after,
                        "covers": covers, "shards": shards,
@@ -172,6 +185,9 @@ def read_fold(raw: bytes, batch: int = 5000
         raise ValueError(f"no header: {exc!r}") from None
     if not isinstance(covers, list) or not isinstance(dels_after, int):
         raise ValueError("covers is not a list, or dels_after not a number")
+    version = header.get("v", FORMAT_VERSION)
+    if not isinstance(version, int) or version > SHARDED_VERSION:
+        raise ValueError(f"format {version!r}: not one this aifs reads (a newer aifs's?)")
     if not isinstance(shards, int) or not isinstance(sizes, list) or \
             (shards and len(sizes) != shards):
         raise ValueError("shards is not a number, or shard_sizes not one size per shard")

@@ -48,6 +48,7 @@ from aifs.pack.folds import (  # (the fold format; named here too for the caller
     FoldHeader,
     encode_fold,
     read_fold,
+    shard_of,
 )
 
 __all__ = ["FOLD_SUFFIX", "FORMAT_VERSION", "JOURNAL_DIR", "PACK_DIR", "FoldHeader",
@@ -250,10 +251,18 @@ class PackIndex:
         cursor = txn.cursor(db=self.entries)
         found = cursor.set_range(prefix)
         while found and cursor.key().startswith(prefix):
-            if b'"op":"put"' in cursor.value():
+            value = cursor.value()
+            if b'"op":"put"' in value:
                 return True
+            if b'"op":"dir"' in value and self._unread(txn, json.loads(value)["key"]):
+                return True  # a sharded fold says it holds packed files, not read yet
             found = cursor.next()
         return False
+
+    def _unread(self, txn: lmdb.Transaction, directory: str) -> bool:
+        """Whether a pending sharded fold's shard of ``directory`` is unread."""
+        return any(shard_of(directory, len(state["sizes"])) not in state["done"]
+                   for state in self._pending(txn).values())
 
     def under(self, prefix: str) -> list[PackedEntry]:
         """Every live packed file below ``prefix``."""
@@ -381,23 +390,26 @@ class PackIndex:
                 self._set_pending(txn, pending)
 
     def apply_shard(self, records: list[Record], raws: list[bytes], fold: str,
-                    shard: int) -> None:
-        """Apply the records of shard ``shard`` of a pending fold and note it read
-        (records of a fold since covered by a newer one are still true: they
-        are applied, by their time stamps, like any others)."""
+                    shard: int) -> bool:
+        """Apply the records of shard ``shard`` of a pending fold and note it
+        read; False (nothing applied) if the fold is not pending any more or
+        the shard was read: fetched before a replay from scratch, or before a
+        newer fold took the place of its own, its records may bring back what
+        was deleted since (the newer fold's shards are read instead)."""
         with self.env.begin(write=True) as txn:
+            pending = self._pending(txn)
+            state = pending.get(fold)
+            if state is None or shard in state["done"]:
+                return False
             packs = _PackInfos(txn, self.packs)
             for record, raw in zip(records, raws, strict=True):
                 self._apply(txn, record, packs, raw)
             packs.write()
-            pending = self._pending(txn)
-            state = pending.get(fold)
-            if state is not None:
-                if shard not in state["done"]:
-                    state["done"].append(shard)
-                if len(state["done"]) >= len(state["sizes"]):
-                    del pending[fold]
-                self._set_pending(txn, pending)
+            state["done"].append(shard)
+            if len(state["done"]) >= len(state["sizes"]):
+                del pending[fold]
+            self._set_pending(txn, pending)
+            return True
 
     def pending(self) -> dict[str, dict[str, list[int]]]:
         """The sharded folds whose shards are not all read here: fold name ->
@@ -498,6 +510,11 @@ class PackIndex:
             # carries the same put (same t) at the old place and must lose.
             new = dict(current, pack=record["pack"], off=record["off"],
                        mv=current.get("mv", 0) + 1)
+        elif op == "dir":  # (a sharded fold's: see encode_sharded_fold) below all else
+            if current is None:
+                txn.put(key, raw_record if raw_record is not None
+                        else compact_json(record).encode(), db=self.entries)
+            return
         elif op in ("put", "del", "obj"):
             if current is not None and current["t"] > record["t"]:
                 return  # an older change than the one we know

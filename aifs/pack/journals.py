@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import trio
 
-from aifs.errors import ObjectNotFound
+from aifs.errors import LakeError, ObjectNotFound
 from aifs.lake.base import ObjectStore
-from aifs.pack.folds import read_shard, shard_key, shard_of
+from aifs.pack.folds import directory_of, read_shard, shard_key, shard_of
 from aifs.pack.index import FOLD_SUFFIX, JOURNAL_DIR, PackIndex, decode_journal, read_fold
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class Journals:
         self._replayed: set[str] = set()
         self._from_scratch = False  # the index was reset in this refresh
         self._shards_lock = trio.Lock()  # one task reads shards at a time: none twice
+        #: changes when the index is reset or a sharded fold's head applied
+        #: (entries it held, or their live bytes, may be unknown until read)
+        self.generation = 0
+        self._warned: set[tuple[str, int]] = set()  # shards reported unreadable
 
     @property
     def replayed(self) -> set[str]:
@@ -67,13 +71,15 @@ class Journals:
         if trio.current_time() - self._refreshed >= self.ttl:
             await self.refresh()
 
-    async def refresh(self) -> set[str]:
+    async def refresh(self, fresh: bool = False) -> set[str]:
         """Read the journals and folds this node has not replayed yet (one
-        LIST, and a GET per new object); concurrent callers share one refresh.
-        Returns the names listed that this node has replayed and could read."""
-        if self._running is not None:
+        LIST, and a GET per new object); concurrent callers share one refresh
+        (``fresh``: one whose LIST comes after this call). Returns the names
+        listed that this node has replayed and could read."""
+        while self._running is not None:
             await self._running.wait()
-            return self._replayed
+            if not fresh:
+                return self._replayed
         self._running = trio.Event()
         started = trio.current_time()
         try:
@@ -91,6 +97,7 @@ class Journals:
                     vanished = await self._replay(sorted(set(listed) - seen), listed)
                 except _ReplayFromScratch as why:
                     log.warning("%s: this node replays the pack index from scratch", why)
+                    self.generation += 1
                     await trio.to_thread.run_sync(self.index.reset)
                     self._from_scratch = True
                     continue
@@ -136,6 +143,7 @@ class Journals:
             for records, lines in batches:
                 self.index.apply(records, raws=lines)
             if header.shards:
+                self.generation += 1
                 self.index.apply([], name, covers, shards=header.shard_sizes)
                 return
         self.index.apply([], name, covers)
@@ -143,40 +151,72 @@ class Journals:
     # -- sharded folds: read by directory ----------------------------------------
     async def ensure_dir(self, prefix: str) -> None:
         """Read the shard of each pending sharded fold that holds the records
-        of the keys in directory ``prefix`` (none if read already)."""
-        await self._read_shards(lambda shards: [shard_of(prefix, shards)])
+        of the keys in directory ``prefix`` (none if read already). One that
+        cannot be read is logged: the listing shows what is known."""
+        await self._read_shards(lambda shards: [shard_of(prefix, shards)], strict=False)
 
     async def ensure_complete(self) -> None:
         """Read every shard not read yet: for what needs the whole index
-        (compaction, collection, a fold, the rename of a directory)."""
-        await self._read_shards(lambda shards: list(range(shards)))
+        (compaction, collection, a fold, the rename of a directory).
+        LakeError if one cannot be read: nothing may be decided without it."""
+        await self._read_shards(lambda shards: list(range(shards)), strict=True)
 
-    async def _read_shards(self, wanted: Callable[[int], list[int]]) -> None:
-        def todo() -> list[tuple[str, int, int, int]]:  # (fold, shard, of, size)
-            return [(fold, shard, len(state["sizes"]), state["sizes"][shard])
-                    for fold, state in self.index.pending().items()
-                    for shard in wanted(len(state["sizes"])) if shard not in state["done"]]
+    def _todo(self, wanted: Callable[[int], list[int]]) -> list[tuple[str, int, int, int]]:
+        """(fold, shard, shards, size) of the wanted shards not read yet."""
+        return [(fold, shard, len(state["sizes"]), state["sizes"][shard])
+                for fold, state in self.index.pending().items()
+                for shard in sorted(set(wanted(len(state["sizes"]))))
+                if shard not in state["done"]]
 
-        if not todo():  # (the common case: no lock, no task switch)
+    async def _read_shards(self, wanted: Callable[[int], list[int]], strict: bool) -> None:
+        if not self._todo(wanted):  # (the common case: no lock, no task switch)
             return
         async with self._shards_lock:
-            for attempt in range(2):
-                missing = await self._fetch_shards(todo())
-                if not missing:
+            for _ in range(3):
+                todo = self._todo(wanted)
+                if not todo:
                     return
-                if attempt == 0:
+                missing, unreadable = await self._fetch_shards(todo)
+                if unreadable:
+                    break
+                if missing:
                     # Folded again by another node since: its fold holds them all.
-                    await self.refresh()
-                    continue
-                for fold, shard, _, _ in missing:  # listed, yet gone: nothing to read
-                    log.error("shard %d of %s is missing from the lake; packed files "
-                              "it held stay hidden", shard, fold)
-                    await trio.to_thread.run_sync(self.index.apply_shard, [], [], fold, shard)
+                    await self.refresh(fresh=True)
+            left = self._todo(wanted)
+            if not left:
+                return
+            fold, shard = left[0][:2]
+            message = (f"{len(left)} shard(s) of the pack index could not be read "
+                       f"({shard_key(fold, shard)}, ...): the packed files they hold "
+                       "stay hidden")
+            if strict:
+                raise LakeError(message + "; nothing is compacted, collected or folded")
+            if (fold, shard) not in self._warned:
+                self._warned.add((fold, shard))
+                log.error("%s", message)
+
+    async def _shards_for_moves(self, name: str, raw: bytes) -> bool:
+        """Before a journal with compaction's ``move`` records is applied, read
+        the shards of the moved keys' directories: a move applies only where
+        the file still is, so the file's own record must be known first.
+        False if one is gone (a newer fold covers its fold: list again)."""
+        if b'"move"' not in raw or name.endswith(FOLD_SUFFIX) or not self.index.pending():
+            return True
+        try:
+            directories = {directory_of(record["key"]) for record in decode_journal(raw)
+                           if isinstance(record, dict) and record.get("op") == "move"}
+        except (ValueError, KeyError, TypeError):
+            return True  # unreadable: reported when it is applied
+        missing, _ = await self._fetch_shards(
+            self._todo(lambda shards: [shard_of(d, shards) for d in directories]))
+        return not missing  # (an unreadable one: those files stay hidden anyway)
 
     async def _fetch_shards(self, todo: list[tuple[str, int, int, int]]
-                            ) -> list[tuple[str, int, int, int]]:
-        """Fetch and apply these shards, a few at a time; return those gone."""
-        missing: list[tuple[str, int, int, int]] = []
+                            ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """Fetch and apply these shards, a few at a time; return those gone
+        from the lake and those that could not be read."""
+        missing: list[tuple[str, int]] = []
+        unreadable: list[tuple[str, int]] = []
         slots = trio.Semaphore(JOURNALS_AT_ONCE)
 
         async def one(fold: str, shard: int, shards: int, size: int) -> None:
@@ -184,16 +224,19 @@ class Journals:
                 try:
                     raw = await self.store.get_range(shard_key(fold, shard), 0, size)
                 except ObjectNotFound:
-                    missing.append((fold, shard, shards, size))
+                    missing.append((fold, shard))
                     return
-            await trio.to_thread.run_sync(self._apply_shard, fold, shard, shards, raw)
+            if not await trio.to_thread.run_sync(self._apply_shard, fold, shard, shards, raw):
+                unreadable.append((fold, shard))
 
         async with trio.open_nursery() as nursery:
             for item in todo:
                 nursery.start_soon(one, *item)
-        return missing
+        return missing, unreadable
 
-    def _apply_shard(self, fold: str, shard: int, shards: int, raw: bytes) -> None:
+    def _apply_shard(self, fold: str, shard: int, shards: int, raw: bytes) -> bool:
+        """Apply a shard; False if it cannot be read (its fold is then never
+        folded by this node, so never deleted: its records are not lost)."""
         records: list = []
         lines: list[bytes] = []
         try:
@@ -201,11 +244,12 @@ class Journals:
                 records += batch
                 lines += batch_lines
         except ValueError as exc:
-            log.error("shard %d of %s is unreadable (%s); packed files it held stay "
-                      "hidden", shard, fold, exc)
-            records, lines = [], []
-        self.index.apply_shard(records, lines, fold, shard)
-        self.stats.shards_read += 1
+            log.error("shard %d of %s is unreadable (%s)", shard, fold, exc)
+            self.index.unreadable(fold)
+            return False
+        if self.index.apply_shard(records, lines, fold, shard):
+            self.stats.shards_read += 1
+        return True
 
     async def _apply_batch(self, names: list[str], sizes: dict[str, int]) -> bool:
         """Fetch and apply, a few at a time (a new node may find thousands of
@@ -217,6 +261,9 @@ class Journals:
             vanished |= len(contents) < len(chunk)
             for name in chunk:  # in name (time) order, though any order gives the same
                 if name not in contents:
+                    continue
+                if not await self._shards_for_moves(name, contents[name]):
+                    vanished = True  # a fold it needs was folded again: list again
                     continue
                 try:
                     await trio.to_thread.run_sync(self._apply_one, name, contents.pop(name))

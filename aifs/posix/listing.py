@@ -12,7 +12,7 @@ import contextlib
 import errno
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
@@ -247,23 +247,23 @@ class Listings:
         prefix = directory.key
         started = self.inodes.clock()
         entries: dict[str, Listed] = {}
-        async for page in self.store.iter_list(prefix, "/"):
-            for sub in page.prefixes:
-                name = sub[len(prefix):-1]
-                if self._acceptable(directory, name, sub):
-                    entries[name] = Listed(name, DIR, sub, 0, "", started)
-            for obj in page.objects:
-                if obj.key == prefix:
-                    continue  # this directory's own marker object
-                name = obj.key[len(prefix):]
-                if not self._acceptable(directory, name, obj.key):
-                    continue
-                if name in entries:
-                    self._warn_once(obj.key, "a directory of the same name exists; "
-                                    "the object is hidden")
-                    continue
-                entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
-        await self._add_packed(directory, entries, started)
+        # The pack index is brought up to date (a journal LIST and GETs, a
+        # shard of a sharded fold) while the directory is listed, not after.
+        failed: list[Exception] = []
+        async with trio.open_nursery() as nursery:
+
+            async def part(work: Callable[..., Awaitable[None]], *args: object) -> None:
+                try:
+                    await work(*args)
+                except Exception as exc:  # raised below as itself, not in a group
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(part, self._packs_ready, prefix)
+            nursery.start_soon(part, self._list_pages, directory, prefix, started, entries)
+        if failed:
+            raise failed[0]
+        await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)
         # A file listed before the directory of the same name loses too.
         names: list[bytes] | None = [] if self.on_changes and directory.listed_at else None
         removed, replaced = await trio.to_thread.run_sync(
@@ -288,20 +288,37 @@ class Listings:
                 self._subdirs.pop(next(iter(self._subdirs)))
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
-    async def _add_packed(self, directory: Inode, entries: dict[str, Listed],
-                          started: float) -> None:
-        """Add the packed files (and directories holding them) of a listing.
+    async def _list_pages(self, directory: Inode, prefix: str, started: float,
+                          entries: dict[str, Listed]) -> None:
+        """The directory's LIST, into ``entries``."""
+        async for page in self.store.iter_list(prefix, "/"):
+            for sub in page.prefixes:
+                name = sub[len(prefix):-1]
+                if self._acceptable(directory, name, sub):
+                    entries[name] = Listed(name, DIR, sub, 0, "", started)
+            for obj in page.objects:
+                if obj.key == prefix:
+                    continue  # this directory's own marker object
+                name = obj.key[len(prefix):]
+                if not self._acceptable(directory, name, obj.key):
+                    continue
+                if name in entries:
+                    self._warn_once(obj.key, "a directory of the same name exists; "
+                                    "the object is hidden")
+                    continue
+                entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
+
+    async def _packs_ready(self, prefix: str) -> None:
+        """The pack index knows the packed files of directory ``prefix``.
 
         A plain object of the same name wins if it is not older than the
         packed file's record (to the second); a packed copy made by ``aifs
         pack`` shows only while its original is unchanged (the original is the
-        truth for other tools)."""
+        truth for other tools): see :meth:`_merge_packed`, run in a worker
+        thread (a directory may hold 100,000 packed files)."""
         journals = self.packer.journals
         await journals.refresh_if_stale()
-        await journals.ensure_dir(directory.key)  # (a sharded fold: this directory's part)
-        # A directory may hold 100,000 packed files: merge them in a worker
-        # thread, so other requests go on meanwhile.
-        await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)
+        await journals.ensure_dir(prefix)  # (a sharded fold: this directory's part)
 
     def _merge_packed(self, directory: Inode, entries: dict[str, Listed],
                       started: float) -> None:
