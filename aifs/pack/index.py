@@ -148,6 +148,12 @@ def _member(pack: str, offset: int) -> bytes:
     return pack.encode() + b"\0" + u64(offset)
 
 
+def _unread(pending: dict[str, dict[str, list[int]]], directory: str) -> bool:
+    """Whether a pending sharded fold's shard of ``directory`` is unread."""
+    return any(shard_of(directory, len(state["sizes"])) not in state["done"]
+               for state in pending.values())
+
+
 def is_packed_at(inode: Inode, entry: PackedEntry) -> bool:
     """Whether ``entry`` is the packed copy ``inode`` knows as its own."""
     return bool(inode.pack) and inode.pack == entry.pack and inode.pack_offset == entry.offset
@@ -181,6 +187,7 @@ class PackIndex:
         raw_prefix = scan_prefix(prefix)
         whole = key_bytes(prefix) == raw_prefix
         out: list[tuple[str, PackedEntry | None]] = []
+        pending: dict[str, dict[str, list[int]]] | None = None  # (read once, if needed)
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.entries)
             found = cursor.set_range(raw_prefix)
@@ -196,7 +203,9 @@ class PackIndex:
                 slash = rest.find(b"/")
                 if slash >= 0:  # below a subdirectory: one entry, then skip past it
                     sub = rest[:slash]
-                    if self._any_live(txn, raw_prefix + sub + b"/"):
+                    if pending is None:
+                        pending = self._pending(txn)
+                    if self._any_live(txn, raw_prefix + sub + b"/", pending):
                         out.append((sub.decode("utf-8", "surrogateescape"), None))
                     found = cursor.set_range(raw_prefix + sub + b"0")  # "0" follows "/"
                     continue
@@ -247,22 +256,18 @@ class PackIndex:
         else:
             out.append((name, PackedEntry.from_record(record)))
 
-    def _any_live(self, txn: lmdb.Transaction, prefix: bytes) -> bool:
+    def _any_live(self, txn: lmdb.Transaction, prefix: bytes,
+                  pending: dict[str, dict[str, list[int]]]) -> bool:
         cursor = txn.cursor(db=self.entries)
         found = cursor.set_range(prefix)
         while found and cursor.key().startswith(prefix):
             value = cursor.value()
             if b'"op":"put"' in value:
                 return True
-            if b'"op":"dir"' in value and self._unread(txn, json.loads(value)["key"]):
+            if b'"op":"dir"' in value and _unread(pending, json.loads(value)["key"]):
                 return True  # a sharded fold says it holds packed files, not read yet
             found = cursor.next()
         return False
-
-    def _unread(self, txn: lmdb.Transaction, directory: str) -> bool:
-        """Whether a pending sharded fold's shard of ``directory`` is unread."""
-        return any(shard_of(directory, len(state["sizes"])) not in state["done"]
-                   for state in self._pending(txn).values())
 
     def under(self, prefix: str) -> list[PackedEntry]:
         """Every live packed file below ``prefix``."""
