@@ -269,6 +269,29 @@ def test_a_fresh_node_reads_only_the_shards_of_the_directories_it_lists(lake, mo
     assert not (third.path / "ds").exists()
 
 
+def test_gc_collects_no_pack_while_a_journal_cannot_be_read(lake, mounter, aifs_cli):
+    """A journal damaged in the lake may describe live files: their packs look
+    dead to a node that cannot read it, and must not be collected for that."""
+    files = small_files(50, seed=31, dirs=1)
+    a = mounter(lake, "--pack-wait", "60", name="a")
+    write_files(a.path, files)
+    sync(aifs_cli, a.path)
+    _, packs, journals = lake_layout(lake)
+    assert len(packs) == 1 and len(journals) == 1, (packs, journals)
+    good = lake.get_object(journals[0])
+    lake.put(journals[0], b"not a journal")
+
+    b = mounter(lake, "--pack-gc-grace", "0", name="b")
+    result = aifs_cli("gc", str(b.path))
+    assert result.returncode != 0
+    assert packs[0] in lake_objects(lake)
+
+    lake.put(journals[0], good)  # repaired: every file is there
+    c = mounter(lake, name="c")
+    got = read_digests(c.path, sorted(files))
+    assert all(got[n] == digest(files[n]) for n in files)
+
+
 def test_compaction_reclaims_space_and_keeps_the_data(lake, mounter, aifs_cli):
     files = small_files(400, seed=9, low=16 * KiB, high=32 * KiB, dirs=1)
     a = mounter(lake, "--pack-gc-grace", "0", "--pack-wait", "60", name="a")

@@ -173,6 +173,10 @@ class Compactor:
         grace = self.config.pack_gc_grace if grace is None else grace
         journals = self.packer.journals
         await journals.refresh()
+        if journals.unreadable:  # it may describe live files in packs that look dead
+            raise LakeError(f"{len(journals.unreadable)} journal(s) in the lake cannot be "
+                            f"read ({journals.unreadable[0]}, ...): no pack is collected "
+                            "until they are repaired or deleted")
         await journals.ensure_complete()  # a pack's live bytes, all counted
         generation = journals.generation
         now = time.time()

@@ -61,6 +61,8 @@ class Journals:
         #: (entries it held, or their live bytes, may be unknown until read)
         self.generation = 0
         self._warned: set[tuple[str, int]] = set()  # shards reported unreadable
+        #: journals and folds in the lake at the last refresh that could not be read
+        self.unreadable: list[str] = []
 
     @property
     def replayed(self) -> set[str]:
@@ -102,6 +104,7 @@ class Journals:
                     self._from_scratch = True
                     continue
                 self._replayed = self.index.seen(listed, readable_only=True)
+                self.unreadable = sorted(self.index.seen(listed) - self._replayed)
                 if not vanished:
                     self.index.set_replayed_at(listed_at)
                     break
