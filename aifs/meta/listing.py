@@ -39,6 +39,7 @@ class ListingMixin(StoreBase):
         replaced: list[int] = []
         started = time.time() if started is None else started
         with self.env.begin(write=True) as txn:
+            counters = _Counters(txn, self.sys)
             existing = dict(self._children(parent, txn))
             for entry in listed:
                 name = key_bytes(entry.name)
@@ -76,7 +77,8 @@ class ListingMixin(StoreBase):
                     self._remove(txn, parent, name, value, tomb=False)
                 if names is not None:
                     names.append(name)
-                self._link(txn, parent, name, entry)
+                self._link(txn, parent, name, entry, counters)
+            counters.write()
             for name, value in existing.items():
                 raw = txn.get(value[:8], db=self.inodes)
                 if raw:
@@ -95,13 +97,14 @@ class ListingMixin(StoreBase):
                 txn.put(prefix, dir_inode.encode(), db=self.inodes)
         return removed, replaced
 
-    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed) -> int:
+    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed,
+              counters: _Counters) -> int:
         objkey = key_bytes(entry.key)
         raw_ino = txn.get(objkey, db=self.objkeys)
         if raw_ino is not None and b'"links":[[' in (txn.get(raw_ino, db=self.inodes) or b""):
             raw_ino = None  # a name of a hard-linked inode: that record stays whole
-        ino = U64.unpack(raw_ino)[0] if raw_ino else self._counter(txn, SYS_NEXT_INO, 2)
-        cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
+        ino = U64.unpack(raw_ino)[0] if raw_ino else counters.next(SYS_NEXT_INO, 2)
+        cookie = counters.next(SYS_NEXT_COOKIE, 1)
         inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
                       int(entry.mtime * 1e9))
         for field_name, value in (entry.fields or {}).items():
@@ -111,3 +114,25 @@ class ListingMixin(StoreBase):
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
         txn.put(objkey, u64(ino), db=self.objkeys)
         return ino
+
+
+class _Counters:
+    """The inode and cookie counters of one listing's transaction, read once
+    and written once at its end (not a get and a put per entry listed)."""
+
+    def __init__(self, txn: lmdb.Transaction, db: object) -> None:
+        self.txn, self.db = txn, db
+        self.values: dict[bytes, int] = {}
+
+    def next(self, name: bytes, start: int) -> int:
+        value = self.values.get(name)
+        if value is None:
+            raw = self.txn.get(name, db=self.db)
+            value = U64.unpack(raw)[0] if raw else start
+        self.values[name] = value + 1
+        return value
+
+    def write(self) -> None:
+        for name, value in self.values.items():
+            self.txn.put(name, u64(value), db=self.db)
+        self.values.clear()
