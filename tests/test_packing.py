@@ -277,16 +277,19 @@ def test_gc_collects_no_pack_while_a_journal_cannot_be_read(lake, mounter, aifs_
     write_files(a.path, files)
     sync(aifs_cli, a.path)
     _, packs, journals = lake_layout(lake)
-    assert len(packs) == 1 and len(journals) == 1, (packs, journals)
-    good = lake.get_object(journals[0])
-    lake.put(journals[0], b"not a journal")
+    # the journal of the pack (on S3 another one holds the directory marker's record)
+    [journal] = [j for j in journals if any(
+        r["op"] == "put" for r in json.loads(lake.get_object(j))["records"])]
+    assert len(packs) == 1, packs
+    good = lake.get_object(journal)
+    lake.put(journal, b"not a journal")
 
     b = mounter(lake, "--pack-gc-grace", "0", name="b")
     result = aifs_cli("gc", str(b.path))
     assert result.returncode != 0
     assert packs[0] in lake_objects(lake)
 
-    lake.put(journals[0], good)  # repaired: every file is there
+    lake.put(journal, good)  # repaired: every file is there
     c = mounter(lake, name="c")
     got = read_digests(c.path, sorted(files))
     assert all(got[n] == digest(files[n]) for n in files)
