@@ -243,8 +243,8 @@ class Compactor:
         keep_after = time.time_ns() - int(self.config.pack_gc_grace * 1e9)
         name = JOURNAL_DIR + self.packer.new_pack_id() + FOLD_SUFFIX
         per_shard = self.config.fold_shard_records
-        shards = 1
-        while shards * per_shard < self.index.record_count():
+        records, shards = self.index.record_count(), 1
+        while shards * per_shard < records:
             shards *= 2
         if shards == 1:
             body = await trio.to_thread.run_sync(
