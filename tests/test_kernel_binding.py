@@ -226,6 +226,35 @@ def test_small_files_read_from_the_lake_go_direct_once_cached(lake, mounter) -> 
         assert (again.path / key).read_bytes() == data
 
 
+def test_a_first_epoch_over_packed_files_makes_no_local_copies(lake, mounter,
+                                                              aifs_cli) -> None:
+    # A pack's block brings a small file in with its neighbours, but reading
+    # them is still their first read: none gets a local copy of its own (the
+    # first epoch would write the dataset to disk a second time). A file read
+    # again gets one; its next open goes direct.
+    from conftest import lake_packed
+    files = {f"ds/s{i:03d}.bin": os.urandom(1000 + 97 * i) for i in range(40)}
+    writer = kernel_mount(lake, mounter, name="writer")
+    (writer.path / "ds").mkdir()
+    for key, data in files.items():
+        (writer.path / key).write_bytes(data)
+    result = aifs_cli("sync", str(writer.path), "--quiet", timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert set(lake_packed(lake)) == set(files)
+    m = kernel_mount(lake, mounter, name="fresh")
+    for key, data in files.items():  # first epoch
+        assert (m.path / key).read_bytes() == data
+    first = stats(m.path)
+    assert first["lake_gets"] < len(files) // 4  # the packs' blocks brought most in
+    # read again: its admission is queued after any the first epoch made
+    assert (m.path / "ds/s007.bin").read_bytes() == files["ds/s007.bin"]
+    second = wait_for(lambda: (now := stats(m.path))["admitted"] >= 1 and now, 30,
+                      "a local copy of the file read again")
+    assert second["admitted"] == 1
+    assert (m.path / "ds/s007.bin").read_bytes() == files["ds/s007.bin"]
+    assert stats(m.path)["direct_opens"] - second["direct_opens"] == 1
+
+
 def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
     # The kernel asks for directory pages of up to 1 MiB (MAX_PAGES): a page
     # holds thousands of entries, more than one writev may carry in pieces.

@@ -2,10 +2,13 @@
 file's local copy, past the daemon (FUSE passthrough, kernel binding).
 
 A handle may go direct only where the local copy is the whole file (written
-on this node, or fetched whole); a small file read through the daemon whose
-bytes are then all in the block cache is given such a copy in the
+on this node, or fetched whole); a small file read again through the daemon
+whose bytes are then all in the block cache is given such a copy in the
 background after the reader closes it (:meth:`Direct.admit_later`), so that
 its next opens go direct while the open that read it paid nothing for it.
+A file read for the first time gets none, even where its bytes came in
+with a neighbour's (a pack's block): a first epoch does not write its
+dataset to the disk a second time.
 The kernel asks that every open of an
 inode be direct while one is, so the binding says whether the inode is
 direct already. A direct writer's bytes never pass through aifs: its local
@@ -45,6 +48,26 @@ ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go d
 ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
 ADMIT_BATCH = 64  # copies written in one trip to a worker thread
 ADMIT_WAIT = 0.05  # seconds between batches
+READ_BEFORE_MAX = 1 << 28  # inode numbers the read-before bitmap covers (32 MiB at most)
+
+
+class ReadBefore:
+    """Which inodes a small reader opened since the mount: one bit each, in a
+    bitmap grown to the largest inode number seen (inode numbers are dense:
+    a counter). Past :data:`READ_BEFORE_MAX` every inode counts as read."""
+
+    def __init__(self) -> None:
+        self.bits = bytearray()
+
+    def test_and_set(self, ino: int) -> bool:
+        if ino >= READ_BEFORE_MAX:
+            return True
+        byte, bit = ino >> 3, 1 << (ino & 7)
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits))))
+        seen = bool(self.bits[byte] & bit)
+        self.bits[byte] |= bit
+        return seen
 
 
 @dataclass
@@ -71,6 +94,7 @@ class Direct:
         #: inode -> version: local copies to make (admit_later)
         self._admissions: dict[int, ObjectVersion] = {}
         self._admitting = trio.Event()  # set when an admission is queued
+        self.read_before = ReadBefore()  # small files a reader opened
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -82,7 +106,8 @@ class Direct:
         ino = handle.ino
         if not self.local.has(ino):
             if not handle.writable and 0 < handle.version.size <= ADMIT_MAX:
-                handle.cached_at_open = self.reads.cached_whole(handle.version)
+                handle.cached_at_open = self.read_before.test_and_set(ino) and \
+                    self.reads.cached_whole(handle.version)
             return None  # through the daemon (a file read again gets a copy: admit_later)
         if not inode_is_direct:
             # (Once direct, an inode's later opens share its copy even where a
@@ -107,14 +132,14 @@ class Direct:
         return self.local.fd(ino)
 
     def admit_later(self, fh: int) -> None:
-        """Reader ``fh`` (served by the daemon) closes: if the block cache held
-        all of its small file when it was opened (read again: a dataset's
-        second epoch), queue a clean local copy of it, made in the background,
+        """Reader ``fh`` (served by the daemon) closes: if its small file was
+        read before and the block cache held all of it when it was opened (a
+        dataset's second epoch), queue a clean local copy of it, made in the background,
         so that the next opens go direct while this one paid nothing for it.
         Only what the cache kept: its policy (a scan larger than the cache
-        keeps a stable subset) decides what becomes a copy; a file the lake
-        just sent to this open gets none (a first epoch does not store its
-        files twice)."""
+        keeps a stable subset) decides what becomes a copy; a file read for
+        the first time gets none, though a pack's block brought it in with its
+        neighbours (a first epoch does not store its files twice)."""
         handle = self.inodes.files.get(fh)
         if handle is None or not handle.cached_at_open:  # (set for small readers only)
             return
