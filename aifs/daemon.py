@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -26,6 +27,10 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import AifsError, ConfigError
 from aifs.lake.base import ObjectStore
+
+if TYPE_CHECKING:
+    from aifs.core import Filesystem
+    from aifs.fuse.binding import Binding
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +257,6 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     from aifs.core import Filesystem
     from aifs.fuse.binding import mount_binding
     from aifs.meta.store import MetaStore
-    from aifs.metrics import serve_http
     await store.check()
     meta = MetaStore(cache_dir / "meta")
     cache = await trio.to_thread.run_sync(BlockCache, cache_dir, config.cache_size)
@@ -260,32 +264,30 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     fs = Filesystem(config, store, meta, cache, local)
     fs.recover()
     mountpoint = os.path.abspath(config.mountpoint)
-    binding = mount_binding(config, fs, mountpoint, mount_options(config))
-    log.info("mounted %s on %s (cache %s, %s binding)", store.description, mountpoint,
-             cache_dir, binding.name)
-    mounted = True
+    binding: Binding | None = None
+    failed: AifsError | None = None
 
     def unmount() -> None:
-        nonlocal mounted
-        if mounted:
-            mounted = False
+        nonlocal binding
+        if binding is not None:
             sd_notify("STOPPING=1")
             binding.unmount()
+            binding = None
             log.info("unmounted %s", mountpoint)
 
     try:
         async with trio.open_nursery() as nursery:
-            fs.start(nursery)
-            nursery.start_soon(_on_signals, binding.terminate)
-            if config.metrics_port:
-                await nursery.start(serve_http, config.metrics_address, config.metrics_port,
-                                    fs.metrics)
-            nursery.start_soon(_announce_ready, mountpoint, report, config)
-            await binding.serve()
-            unmount()
-            # The mount is gone; the promoter still runs: finish what is pending.
-            await fs.drain(config.unmount_timeout, _report_drain)
-            nursery.cancel_scope.cancel()
+            # The lake's journals are read while the mount is made: a fresh
+            # node's first listing finds the pack index replayed.
+            nursery.start_soon(fs.packer.journals.read_ahead)
+            await trio.lowlevel.checkpoint()  # (its LIST is on its way)
+            try:
+                binding = mount_binding(config, fs, mountpoint, mount_options(config))
+            except AifsError as exc:  # raised below as itself, not in a group
+                failed = exc
+                nursery.cancel_scope.cancel()
+            else:
+                await _serve_mounted(config, fs, binding, nursery, report, unmount)
     finally:
         unmount()
         fs.save_dir_times()
@@ -294,7 +296,28 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
         cache.close()
         meta.close()
         await store.aclose()
+    if failed is not None:
+        raise failed
     return 0
+
+
+async def _serve_mounted(config: Config, fs: Filesystem, binding: Binding,
+                         nursery: trio.Nursery, report: Callable[[str], None],
+                         unmount: Callable[[], None]) -> None:
+    from aifs.metrics import serve_http
+    log.info("mounted %s on %s (cache %s, %s binding)", fs.store.description,
+             binding.mountpoint, config.resolved_cache_dir(), binding.name)
+    fs.start(nursery)
+    nursery.start_soon(_on_signals, binding.terminate)
+    if config.metrics_port:
+        await nursery.start(serve_http, config.metrics_address, config.metrics_port,
+                            fs.metrics)
+    nursery.start_soon(_announce_ready, binding.mountpoint, report, config)
+    await binding.serve()
+    unmount()
+    # The mount is gone; the promoter still runs: finish what is pending.
+    await fs.drain(config.unmount_timeout, _report_drain)
+    nursery.cancel_scope.cancel()
 
 
 def _report_drain(left: dict[str, float]) -> None:

@@ -448,3 +448,58 @@ def test_a_fold_of_a_newer_format_is_refused():
     header["v"] = 3
     with pytest.raises(ValueError, match="newer"):
         read_fold(gzip.compress(json.dumps(header).encode() + b"\n"))
+
+
+async def test_a_read_ahead_at_mount_is_no_refresh(tmp_path):
+    """The journals a mount reads ahead spare its first listing their GETs,
+    but not its LIST: a journal published since is read then. A listing that
+    comes while the read-ahead runs lists the journals itself and replays,
+    after it, only what the read-ahead did not."""
+    store = LocalStore(str(tmp_path / "lake"))
+
+    async def journal(n: int) -> str:
+        records = [{"op": "pack", "pack": f"p{n}", "size": 10, "t": n},
+                   put(f"d/f{n}", f"p{n}", 0, 10, 10 + n)]
+        name = f"{JOURNAL_DIR}{n:020d}-w-{n}{JOURNAL_SUFFIX}"
+        await store.put(name, json.dumps({"v": 1, "node": "w", "records": records}).encode())
+        return name
+
+    gate, reached = trio.Event(), trio.Event()
+
+    class Gated(CountingStore):
+        async def get_range(self, key, start, length, if_match=None):
+            if not gate.is_set():
+                reached.set()
+                await gate.wait()
+            return await super().get_range(key, start, length, if_match)
+
+    await journal(1)
+    gate.set()
+    counted = Gated(LocalStore(str(tmp_path / "lake")))
+    replay = Journals(counted, index(tmp_path, "a"), 60.0, PackStats())
+    await replay.read_ahead()
+    assert [e.key for e in replay.index.under("d/")] == ["d/f1"]
+    await journal(2)  # published after the read-ahead's LIST
+    lists = counted.requests["ListObjectsV2"]
+    await replay.refresh_if_stale()  # the first listing
+    assert [e.key for e in replay.index.under("d/")] == ["d/f1", "d/f2"]
+    assert counted.requests["ListObjectsV2"] == lists + 1
+    assert replay.stats.journals_read == 2  # each journal once
+    await replay.refresh_if_stale()  # that one was a refresh: fresh for the TTL
+    assert counted.requests["ListObjectsV2"] == lists + 1
+
+    gate, reached = trio.Event(), trio.Event()
+    replay = Journals(counted, index(tmp_path, "b"), 60.0, PackStats())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replay.read_ahead)
+        await reached.wait()  # the read-ahead's GET, held back
+        await journal(3)
+        lists = counted.requests["ListObjectsV2"]
+        nursery.start_soon(replay.refresh_if_stale)  # a listing meanwhile: it lists at once
+        with trio.fail_after(10):  # (not after the read-ahead)
+            while counted.requests["ListObjectsV2"] == lists:
+                await trio.sleep(0.001)
+        gate.set()
+    assert [e.key for e in replay.index.under("d/")] == ["d/f1", "d/f2", "d/f3"]
+    assert counted.requests["ListObjectsV2"] == lists + 1  # no LIST after the wait
+    assert replay.stats.journals_read == 3

@@ -234,6 +234,31 @@ def test_gc_folds_the_journals_and_a_fresh_node_reads_only_the_fold(lake, mounte
     assert (third.path / "ds/renamed.dat").read_bytes() == files[names[1]]
 
 
+def test_a_mount_reads_the_journals_before_a_listing_asks(lake, mounter, aifs_cli) -> None:
+    """A mount replays the lake's journals while it starts, so its first
+    listing waits for no journal GET; that listing still lists the journals:
+    what another node published since the mount shows at once."""
+    first = small_files(30, seed=31, low=1 * KiB, high=4 * KiB, dirs=1, top="one")
+    later = small_files(30, seed=32, low=1 * KiB, high=4 * KiB, dirs=1, top="two")
+    a = mounter(lake, "--pack-wait", "60", name="a")
+    write_files(a.path, first)
+    sync(aifs_cli, a.path)
+    ahead = len(lake_layout(lake)[2])  # (S3 lakes: one more for a directory's marker)
+    b = mounter(lake, name="b")
+
+    def stats() -> dict:
+        return json.loads(os.getxattr(b.path, "user.aifs.stats"))
+
+    wait_for(lambda: stats()["journals_read"] == ahead, 30, "the journals read at mount")
+    write_files(a.path, later)
+    sync(aifs_cli, a.path)
+    files = {**first, **later}
+    got = read_digests(b.path, sorted(files))
+    assert all(got[n] == digest(files[n]) for n in files)
+    # each once: those read ahead, and those published since
+    assert stats()["journals_read"] == len(lake_layout(lake)[2]) > ahead
+
+
 def test_a_fresh_node_reads_only_the_shards_of_the_directories_it_lists(lake, mounter,
                                                                        aifs_cli):
     """Past fold_shard_records a fold is split by directory: a fresh node that

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 class Binding(Protocol):
     name: str
+    mountpoint: str
 
     def mount(self) -> None: ...
 

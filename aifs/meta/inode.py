@@ -73,6 +73,14 @@ class Inode:
     link_id: str = ""  # the names' group id, in each name's object metadata
     nlink_hint: int = 0  # st_nlink the lake's metadata told, before all names were seen
 
+    def encode_kept(self) -> bytes:
+        """:meth:`encode`, and this inode (which the caller no longer changes)
+        kept as the decoded form of the record: a record a listing writes is
+        read back at once by the READDIRPLUS that follows."""
+        raw = self.encode()
+        _remember(raw, self)
+        return raw
+
     def encode(self) -> bytes:
         """The record as stored: a JSON list of the fields every inode has
         (:data:`_HEAD`; the kind as a number, an S3 ETag without its quotes:
@@ -100,10 +108,7 @@ class Inode:
         known = _DECODED.get(key)
         if known is None:
             known = cls.from_json(json.loads(key))
-            if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
-                for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
-                    del _DECODED[old]
-            _DECODED[key] = known
+            _remember(key, known)
         inode = cls.__new__(cls)
         inode.__dict__.update(known.__dict__)
         if known.xattrs:
@@ -160,6 +165,16 @@ def record_is_dir(raw: bytes | memoryview) -> bool:
 
 
 _DECODED: dict[bytes, Inode] = {}
+
+
+def _remember(raw: bytes, inode: Inode) -> None:
+    """Keep ``inode`` as the decoded form of ``raw`` (listings write from a
+    worker thread while the trio thread decodes: an entry another thread
+    dropped first is no error)."""
+    if len(_DECODED) >= DECODED_KEPT:  # the older half goes, the recent stay
+        for old in list(itertools.islice(_DECODED, DECODED_KEPT // 2)):
+            _DECODED.pop(old, None)
+    _DECODED[raw] = inode
 #: the fields every stored record holds, in this order, without their names
 _HEAD = ("ino", "kind", "key", "parent", "size", "etag", "mtime_ns")
 _HEAD_SET = frozenset(_HEAD)

@@ -109,7 +109,7 @@ class ListingMixin(StoreBase):
                       int(entry.mtime * 1e9))
         for field_name, value in (entry.fields or {}).items():
             setattr(inode, field_name, value)
-        txn.put(u64(ino), inode.encode(), db=self.inodes)
+        txn.put(u64(ino), inode.encode_kept(), db=self.inodes)
         txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
         txn.put(objkey, u64(ino), db=self.objkeys)

@@ -54,6 +54,7 @@ class Journals:
         self.stats = stats
         self._refreshed = -float("inf")
         self._running: trio.Event | None = None
+        self._ahead = False  # the refresh running is :meth:`read_ahead`'s
         self._replayed: set[str] = set()
         self._from_scratch = False  # the index was reset in this refresh
         self._shards_lock = trio.Lock()  # one task reads shards at a time: none twice
@@ -73,27 +74,50 @@ class Journals:
         if trio.current_time() - self._refreshed >= self.ttl:
             await self.refresh()
 
+    async def read_ahead(self) -> None:
+        """At mount: replay the lake's journals before a listing asks (a
+        fresh node's first listing then waits for a LIST of the journals, not
+        for their GETs and replay). It counts as no refresh: the first listing
+        still lists the journals (what was published since is read then), and
+        one that comes while this runs refreshes after it. A lake that fails
+        here is no error: the listing tries again."""
+        if self._running is not None:
+            return
+        self._ahead = True
+        refreshed = self._refreshed
+        try:
+            await self.refresh()
+        except LakeError as exc:
+            log.debug("journals not read ahead: %s", exc)
+        finally:
+            self._refreshed = refreshed
+
     async def refresh(self, fresh: bool = False) -> set[str]:
         """Read the journals and folds this node has not replayed yet (one
         LIST, and a GET per new object); concurrent callers share one refresh
         (``fresh``: one whose LIST comes after this call). Returns the names
         listed that this node has replayed and could read."""
+        early: tuple[int, float, dict[str, int]] | None = None
         while self._running is not None:
+            if self._ahead and early is None:
+                # A read-ahead runs: list now, beside it, and replay after it
+                # what it did not (not its whole time, then a LIST).
+                early = (time.time_ns(), trio.current_time(), await self._list())
+                continue
+            ahead = self._ahead
             await self._running.wait()
-            if not fresh:
+            if not fresh and not ahead and early is None:
                 return self._replayed
         self._running = trio.Event()
-        started = trio.current_time()
+        started = trio.current_time() if early is None else early[1]
         try:
             for _ in range(REPLAY_ROUNDS):
-                listed_at = time.time_ns()
-                listed: dict[str, int] = {}
-                async for page in self.store.iter_list(JOURNAL_DIR, None):
-                    # (a "directory" marker is no journal: an empty journal
-                    # directory of the local lake lists as one, and so does
-                    # a folder made in a cloud console)
-                    listed.update({obj.key: obj.size for obj in page.objects
-                                   if not obj.key.endswith("/")})
+                if early is not None:
+                    listed_at, _, listed = early
+                    early = None
+                else:
+                    listed_at = time.time_ns()
+                    listed = await self._list()
                 seen = self.index.seen(listed)
                 try:
                     vanished = await self._replay(sorted(set(listed) - seen), listed)
@@ -114,8 +138,20 @@ class Journals:
             return self._replayed
         finally:
             self._from_scratch = False
+            self._ahead = False
             self._running.set()
             self._running = None
+
+    async def _list(self) -> dict[str, int]:
+        """The journals and folds in the lake: name -> size."""
+        listed: dict[str, int] = {}
+        async for page in self.store.iter_list(JOURNAL_DIR, None):
+            # (a "directory" marker is no journal: an empty journal directory
+            # of the local lake lists as one, and so does a folder made in a
+            # cloud console)
+            listed.update({obj.key: obj.size for obj in page.objects
+                           if not obj.key.endswith("/")})
+        return listed
 
     async def _replay(self, names: list[str], sizes: dict[str, int]) -> bool:
         """Apply these journals and folds, folds first (the journals they
