@@ -11,10 +11,9 @@ in the store's modules.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import MISSING, dataclass, field, fields
 
-from aifs.meta.schema import compact_json
+from aifs.meta.schema import compact_json, stored_json
 
 ROOT_INO = 1
 FILE = "file"
@@ -88,11 +87,10 @@ class Inode:
         their defaults (most are not, for a listed object): no field names for
         the common ones, ``decode`` gives all back."""
         values = self.__dict__
-        record: list[object] = [values[name] for name in _HEAD]
-        record[1] = _KIND_CODES.get(self.kind, self.kind)
-        record[5] = _etag_out(self.etag)
-        rest = {name: value for name, value in values.items()
-                if name not in _HEAD_SET and value != _INODE_DEFAULTS[name]}
+        record: list[object] = [values["ino"], _KIND_CODES.get(self.kind, self.kind),
+                                values["key"], values["parent"], values["size"],
+                                _etag_out(self.etag), values["mtime_ns"]]
+        rest = {name: value for name, default in _REST if (value := values[name]) != default}
         if rest:
             record.append(rest)
         return compact_json(record).encode()
@@ -107,7 +105,7 @@ class Inode:
         key = bytes(raw)
         known = _DECODED.get(key)
         if known is None:
-            known = cls.from_json(json.loads(key))
+            known = cls.from_json(stored_json(key))
             _remember(key, known)
         inode = cls.__new__(cls)
         inode.__dict__.update(known.__dict__)
@@ -203,6 +201,9 @@ def _etag_in(stored: str) -> str:
 _INODE_DEFAULTS: dict[str, object] = {
     f.name: f.default_factory() if f.default_factory is not MISSING else f.default
     for f in fields(Inode) if f.default is not MISSING or f.default_factory is not MISSING}
+#: (name, default) of the fields a record holds by name, in field order
+_REST = tuple((name, default) for name, default in _INODE_DEFAULTS.items()
+              if name not in _HEAD_SET)
 
 
 @dataclass(frozen=True)

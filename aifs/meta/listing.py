@@ -107,8 +107,8 @@ class ListingMixin(StoreBase):
         cookie = counters.next(SYS_NEXT_COOKIE, 1)
         inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
                       int(entry.mtime * 1e9))
-        for field_name, value in (entry.fields or {}).items():
-            setattr(inode, field_name, value)
+        if entry.fields:
+            inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
         txn.put(u64(ino), inode.encode_kept(), db=self.inodes)
         txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
         txn.put(u64(parent) + u64(cookie), name, db=self.cookies)

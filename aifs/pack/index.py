@@ -38,6 +38,7 @@ from aifs.meta.schema import (
     is_hashed,
     key_bytes,
     scan_prefix,
+    stored_json,
     u64,
 )
 from aifs.meta.store import MetaStore
@@ -196,7 +197,7 @@ class PackIndex:
                 if not key.startswith(raw_prefix):
                     break
                 if not whole or is_hashed(bytes(key)):  # a long key: its record says it all
-                    self._long_child(prefix, json.loads(value), out)
+                    self._long_child(prefix, stored_json(value), out)
                     found = cursor.next()
                     continue
                 rest = bytes(key[len(raw_prefix):])
@@ -209,7 +210,7 @@ class PackIndex:
                         out.append((sub.decode("utf-8", "surrogateescape"), None))
                     found = cursor.set_range(raw_prefix + sub + b"0")  # "0" follows "/"
                     continue
-                record = json.loads(value)
+                record = stored_json(value)
                 if record["op"] == "put":
                     out.append((rest.decode("utf-8", "surrogateescape"),
                                 PackedEntry.from_record(record)))
@@ -234,7 +235,7 @@ class PackIndex:
                 slash = rest.find(b"/")
                 if b'"op":"obj"' in value and (slash < 0 or slash == len(rest) - 1
                                                 or not whole or is_hashed(bytes(key))):
-                    record = json.loads(value)
+                    record = stored_json(value)
                     name = record["key"][len(prefix):]
                     if record["key"].startswith(prefix) and "/" not in name.rstrip("/"):
                         out[name] = record  # a file, or a directory's marker ("name/")
@@ -264,7 +265,7 @@ class PackIndex:
             value = cursor.value()
             if b'"op":"put"' in value:
                 return True
-            if b'"op":"dir"' in value and _unread(pending, json.loads(value)["key"]):
+            if b'"op":"dir"' in value and _unread(pending, stored_json(value)["key"]):
                 return True  # a sharded fold says it holds packed files, not read yet
             found = cursor.next()
         return False
@@ -506,7 +507,7 @@ class PackIndex:
             return
         key = key_bytes(record["key"])
         raw = txn.get(key, db=self.entries)
-        current = json.loads(raw) if raw else None
+        current = stored_json(raw) if raw else None
         if op == "move":  # compaction: only if the entry is still where it was
             if current is None or current["op"] != "put" or \
                     [current["pack"], current["off"]] != record["from"]:
