@@ -98,36 +98,3 @@ def test_block_cache_on_ramfs_stores_and_finds_blocks(ramfs):
         assert f.read(found.size) == data[:5000]
     assert cache.evict(16 * MiB) == MiB + 1 + 5000  # no hole punching there: still freed
     cache.close()
-
-
-def test_a_copy_opened_in_a_thread_is_kept_only_if_it_is_still_the_copy(tmp_path):
-    # posix.direct opens a reader's copy in a thread where the disk is slow;
-    # the copy may be replaced (a writer's create) or removed meanwhile, and
-    # the descriptor opened from its name is then of another file.
-    from aifs.cache.files import LocalFiles
-    local = LocalFiles(tmp_path / "cache")
-    os.write(local.create(7), b"old")
-    assert local.open_fd(7) is not None
-    local._drop_fd(7)  # (closed as the least recently used are)
-    assert local.open_fd(7) is None
-
-    replaced = local.replaced
-    raw = os.open(local.name(7), os.O_RDWR)
-    fd = local.keep_fd(7, raw, replaced)
-    assert fd == raw and local.open_fd(7) == raw and os.pread(fd, 3, 0) == b"old"
-
-    local._drop_fd(7)
-    replaced = local.replaced
-    raw = os.open(local.name(7), os.O_RDWR)  # the old copy ...
-    os.write(local.create(7), b"new")  # ... replaced before it is kept
-    fd = local.keep_fd(7, raw, replaced)
-    assert fd != raw and os.pread(fd, 3, 0) == b"new"
-    with pytest.raises(OSError):
-        os.fstat(raw)  # closed
-
-    local._drop_fd(7)
-    replaced = local.replaced
-    raw = os.open(local.name(7), os.O_RDWR)
-    local.remove(7)
-    assert local.keep_fd(7, raw, replaced) is None
-    local.close()

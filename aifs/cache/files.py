@@ -48,7 +48,6 @@ class LocalFiles:
         self._spares_wanted = threading.Condition(self._lock)
         self._closed = False
         self._spare_counter = 0
-        self.replaced = 0  # copies created, replaced or removed (see keep_fd)
         for entry in os.scandir(self.root):
             if entry.name.isdigit():
                 self._account(int(entry.name), entry.stat().st_size)
@@ -83,9 +82,6 @@ class LocalFiles:
 
     def path(self, ino: int) -> Path:
         return Path(self._name(ino))
-
-    def name(self, ino: int) -> str:
-        return self._name(ino)
 
     def _name(self, ino: int) -> str:
         return f"{self._prefix}{ino}"
@@ -122,26 +118,6 @@ class LocalFiles:
             self._fds.move_to_end(ino)
             return fd
         fd = os.open(self._name(ino), os.O_RDWR)
-        self._fds[ino] = fd
-        self._close_extra()
-        return fd
-
-    def open_fd(self, ino: int) -> int | None:
-        """The copy's descriptor if one is open (else None: open one in a
-        thread, :meth:`keep_fd`, where the open may wait for the disk)."""
-        fd = self._fds.get(ino)
-        if fd is not None:
-            self._fds.move_to_end(ino)
-        return fd
-
-    def keep_fd(self, ino: int, fd: int, replaced: int) -> int | None:
-        """Keep ``fd``, opened (in a thread) from the copy's name when
-        :attr:`replaced` read ``replaced``, as the copy's descriptor; if a copy
-        was created, replaced or removed since, it may be of another file: it
-        is closed, and the copy's own descriptor returned (None: no copy)."""
-        if replaced != self.replaced or ino in self._fds:
-            os.close(fd)
-            return self.fd(ino) if self.has(ino) else None
         self._fds[ino] = fd
         self._close_extra()
         return fd
@@ -244,7 +220,6 @@ class LocalFiles:
         return self.root / f"tmp-{ino}"
 
     def _drop_fd(self, ino: int) -> None:
-        self.replaced += 1
         fd = self._fds.pop(ino, None)
         if fd is not None:
             os.close(fd)

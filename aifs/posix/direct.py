@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import trio
@@ -49,7 +48,6 @@ ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go d
 ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
 ADMIT_BATCH = 64  # copies written in one trip to a worker thread
 ADMIT_WAIT = 0.05  # seconds between batches
-SLOW_OPEN = 100e-6  # seconds: opens of copies slower than this go to threads
 READ_BEFORE_MAX = 1 << 28  # inode numbers the read-before bitmap covers (32 MiB at most)
 
 
@@ -70,12 +68,6 @@ class ReadBefore:
         seen = bool(self.bits[byte] & bit)
         self.bits[byte] |= bit
         return seen
-
-
-def _timed_open(name: str) -> tuple[int, float]:
-    started = time.perf_counter()
-    fd = os.open(name, os.O_RDWR)
-    return fd, time.perf_counter() - started
 
 
 @dataclass
@@ -103,7 +95,6 @@ class Direct:
         self._admissions: dict[int, ObjectVersion] = {}
         self._admitting = trio.Event()  # set when an admission is queued
         self.read_before = ReadBefore()  # small files a reader opened
-        self._open_seconds = 0.0  # how long opens of copies take of late (_open_copy)
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -135,40 +126,10 @@ class Direct:
                 writing = self.writers[ino] = Writing(self._stat(ino))
             writing.handles += 1
             self._writing.set()
-        fd = self.local.fd(ino) if handle.writable else self.local.open_fd(ino)
-        if fd is None:  # a reader's
-            replaced = self.local.replaced
-            try:
-                raw = await self._open_copy(ino)
-            except FileNotFoundError:
-                return None  # removed meanwhile: through the daemon
-            fd = self.local.keep_fd(ino, raw, replaced)
-            if fd is None:
-                return None
-            if not inode_is_direct and (ino in inodes.stale_local
-                                        or inodes.opens.get(ino, 0) != 1):
-                return None  # opened again meanwhile through the daemon: this one too
         inodes.counters.direct_opens += 1
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
-        return fd
-
-    async def _open_copy(self, ino: int) -> int:
-        """A new descriptor of ``ino``'s copy. Where the disk's caches are
-        cold (a new epoch after drop_caches) an open waits for the disk, and
-        readers' opens would wait for each other's in the event loop: while
-        opens are slow they are made in threads, side by side; while they are
-        fast, here (a thread costs more than such an open)."""
-        name = self.local.name(ino)
-        if self._open_seconds < SLOW_OPEN:
-            started = time.perf_counter()
-            fd = os.open(name, os.O_RDWR)
-            took = time.perf_counter() - started
-        else:
-            fd, took = await trio.to_thread.run_sync(_timed_open, name,
-                                                     limiter=self.inodes.disk)
-        self._open_seconds += (took - self._open_seconds) / 4  # a running mean of the last few
-        return fd
+        return self.local.fd(ino)
 
     def admit_later(self, fh: int) -> None:
         """Reader ``fh`` (served by the daemon) closes: if its small file was
