@@ -287,7 +287,8 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
                 failed = exc
                 nursery.cancel_scope.cancel()
             else:
-                await _serve_mounted(config, fs, binding, nursery, report, unmount)
+                await _serve_mounted(config, fs, binding, cache_dir, nursery, report,
+                                     unmount)
     finally:
         unmount()
         fs.save_dir_times()
@@ -301,12 +302,12 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
     return 0
 
 
-async def _serve_mounted(config: Config, fs: Filesystem, binding: Binding,
+async def _serve_mounted(config: Config, fs: Filesystem, binding: Binding, cache_dir: Path,
                          nursery: trio.Nursery, report: Callable[[str], None],
                          unmount: Callable[[], None]) -> None:
     from aifs.metrics import serve_http
     log.info("mounted %s on %s (cache %s, %s binding)", fs.store.description,
-             binding.mountpoint, config.resolved_cache_dir(), binding.name)
+             binding.mountpoint, cache_dir, binding.name)
     fs.start(nursery)
     nursery.start_soon(_on_signals, binding.terminate)
     if config.metrics_port:

@@ -87,9 +87,9 @@ class Inode:
         their defaults (most are not, for a listed object): no field names for
         the common ones, ``decode`` gives all back."""
         values = self.__dict__
-        record: list[object] = [values["ino"], _KIND_CODES.get(self.kind, self.kind),
-                                values["key"], values["parent"], values["size"],
-                                _etag_out(self.etag), values["mtime_ns"]]
+        record: list[object] = [values[name] for name in _HEAD]
+        record[1] = _KIND_CODES.get(self.kind, self.kind)
+        record[5] = _etag_out(self.etag)
         rest = {name: value for name, default in _REST if (value := values[name]) != default}
         if rest:
             record.append(rest)

@@ -104,9 +104,8 @@ class Journals:
                 # what it did not (not its whole time, then a LIST).
                 early = (time.time_ns(), trio.current_time(), await self._list())
                 continue
-            ahead = self._ahead
             await self._running.wait()
-            if not fresh and not ahead and early is None:
+            if not fresh and early is None:  # (a read-ahead's waiters listed: early)
                 return self._replayed
         self._running = trio.Event()
         started = trio.current_time() if early is None else early[1]
