@@ -409,3 +409,95 @@ async def test_a_file_shrunk_into_a_pack_is_no_other_writers_change(tmp_path, nu
     (tmp_path / "lake" / "a").write_bytes(b"another tool's")
     await fs.promoter.uploads.warn_if_replaced(fs.meta.get(ino))
     assert "a changed in the lake since this node read it" in caplog.text
+
+
+class LandsFirstStore(GatedStore):
+    """Its held PUTs land in the lake first; only the reply waits at the gate
+    (the server has the object; the promoter does not know yet)."""
+
+    async def put(self, key, data, metadata=None):
+        info = await LocalStore.put(self, key, data, metadata)
+        if self.closed and self.holds(key):
+            self.entered.set()
+            while self.closed:
+                await self.changed.wait()
+        return info
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+async def test_a_stale_upload_landed_unanswered_is_not_copied_by_a_rename(
+        tmp_path, nursery, kind):
+    """A directory is removed (or a file unlinked) while its PUT is on the
+    way; the PUT lands, its reply not yet handled, when the parent is renamed.
+    The rename's listing shows the object with no owner and no tombstone: it
+    must be deleted, not copied to a key no entry has (fsx seed 2: d/a/b/b/
+    and d/a/b/b/a/ stayed in the lake after d/e was renamed to d/a/b; seed 13
+    the same with a file below new directories)."""
+    fs = _started(tmp_path, nursery, LandsFirstStore)
+    store = fs.gate
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
+    await _write(fs, b"kept", b"K" * (2 * MiB))
+    await fs.rename(ROOT_INO, b"kept", d, b"kept", 0)
+    await _sync(fs)
+    store.closed = True
+    if kind == "directory":
+        store.holds = lambda key: key == "d/x/"
+        await fs.mkdir(d, b"x", 0o755, 0, 0)
+    else:
+        store.holds = lambda key: key == "d/x"
+        fh, _ = await fs.create(d, b"x", 0o644, os.O_WRONLY, 0, 0)
+        await fs.write(fh, 0, b"X" * (2 * MiB))  # an object of its own
+        fs.release(fh)
+    with trio.fail_after(30):
+        await store.entered.wait()  # d/x is in the lake; its reply is held
+    if kind == "directory":
+        await fs.rmdir(d, b"x")
+    else:
+        await fs.unlink(d, b"x")
+    await fs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+    store.open()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"e/kept": b"K" * (2 * MiB)}
+    lake = tmp_path / "lake"
+    assert not (lake / "e" / "x").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+async def test_an_upload_settled_during_a_directory_rename_moves_with_it(
+        tmp_path, nursery, kind):
+    """A new entry's upload is on the way when its directory is renamed; it
+    lands and settles under the old key after the rename listed the lake,
+    before the rename is recorded. The old key must be deleted and the entry
+    written under its new one (an empty directory's marker included, or it is
+    gone on the next mount)."""
+    fs = _started(tmp_path, nursery, CopyGatedStore)
+    store = fs.gate
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
+    await _write(fs, b"kept", b"K" * (2 * MiB))
+    await fs.rename(ROOT_INO, b"kept", d, b"kept", 0)
+    await _sync(fs)
+    store.closed = True
+    if kind == "directory":
+        store.holds = lambda key: key == "d/y/"
+        y = (await fs.mkdir(d, b"y", 0o755, 0, 0)).ino
+    else:
+        store.holds = lambda key: key == "d/y"
+        fh, inode = await fs.create(d, b"y", 0o644, os.O_WRONLY, 0, 0)
+        await fs.write(fh, 0, b"Y" * (2 * MiB))
+        fs.release(fh)
+        y = inode.ino
+    with trio.fail_after(30):
+        await store.entered.wait()  # d/y's PUT waits at the gate
+    async with _renaming(fs, b"d", b"e", held_at="d/kept"):  # it listed d/ (no d/y yet)
+        store.open()  # d/y lands and settles under d/y
+        with trio.fail_after(30):
+            while fs.meta.get(y).pending:
+                await trio.sleep(0.01)
+    await _sync(fs)
+    expected = {"e/kept": b"K" * (2 * MiB)}
+    if kind == "file":
+        expected["e/y"] = b"Y" * (2 * MiB)
+    assert _lake_files(tmp_path) == expected
+    lake = tmp_path / "lake"
+    assert not (lake / "d").exists()
+    assert (lake / "e" / "y").is_dir() == (kind == "directory")

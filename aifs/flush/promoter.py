@@ -16,11 +16,13 @@ filesystem is :class:`aifs.flush.host.PromotionHost`.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -76,6 +78,7 @@ class Promoter:
         self._progress = trio.Event()
         self._slots = trio.Semaphore(max(1, config.promote_workers))
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
+        self._landing: Counter[str] = Counter()  # keys of uploads whose reply is not handled
         self.sync_error = ""  # why the last sync that gave up did
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
@@ -262,27 +265,29 @@ class Promoter:
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
         self._deciding.discard(ino)
-        if inode.pending & DATA:
-            info = await self.uploads.upload(inode, version)
-        else:
-            info = await self.uploads.write_metadata(inode)
-        if info is None:
-            self.schedule(ino)  # changed before anything landed: promote it later
-            return False
-        etags = {key: info.etag}
-        if inode.links:
-            etags.update(await self.uploads.copy_to_links(inode))
-        current = self.meta.get(ino)
-        if current is None or current.orphan or current.key != key:
-            # Renamed, deleted or replaced while it uploaded: what landed under
-            # the old key is no one's. Its tombstone goes at once if no file has
-            # the name; a file that took the name either overwrites it with an
-            # upload of its own (the tombstone is dropped) or is packed, and
-            # then deletes it (its etag says an object may be there).
-            self._landed_stale(key)
-            if current is not None and not current.orphan:
-                self.schedule(ino, 0.0)
-            return False
+        with self._landing_under(inode.keys()):
+            if inode.pending & DATA:
+                info = await self.uploads.upload(inode, version)
+            else:
+                info = await self.uploads.write_metadata(inode)
+            if info is None:
+                self.schedule(ino)  # changed before anything landed: promote it later
+                return False
+            etags = {key: info.etag}
+            if inode.links:
+                etags.update(await self.uploads.copy_to_links(inode))
+            current = self.meta.get(ino)
+            if current is None or current.orphan or current.key != key:
+                # Renamed, deleted or replaced while it uploaded: what landed
+                # under the old key is no one's. Its tombstone goes at once if
+                # no file has the name; a file that took the name either
+                # overwrites it with an upload of its own (the tombstone is
+                # dropped) or is packed, and then deletes it (its etag says an
+                # object may be there).
+                self._landed_stale(key)
+                if current is not None and not current.orphan:
+                    self.schedule(ino, 0.0)
+                return False
         if self.host.change_count(ino) != version:
             # Changed meanwhile: promote the newer state later. The lake holds
             # this version now: remember it, so a rename or unlink deletes it.
@@ -376,17 +381,38 @@ class Promoter:
                 self.meta.update(owner, etag=MAYBE_IN_LAKE)
         self.tombstones_changed()
 
+    @contextlib.contextmanager
+    def _landing_under(self, keys: list[str]) -> Iterator[None]:
+        """While an upload to ``keys`` runs and until its reply is handled."""
+        for key in keys:
+            self._landing[key] += 1
+        try:
+            yield
+        finally:
+            for key in keys:
+                self._landing[key] -= 1
+                if not self._landing[key]:
+                    del self._landing[key]
+
+    def landing(self, key: str) -> bool:
+        """Whether an upload to ``key`` may be in the lake already, its reply
+        not yet handled: if the key has no owner now, the object is stale (its
+        tombstone comes with the reply) and a rename must not copy it."""
+        return key in self._landing
+
     def change_count(self, ino: int) -> int:
         return self.host.change_count(ino)
 
     async def _publish_version(self, inode: Inode, seq: int, content: bytes) -> bool:
         """Put an older version of a waiting marker whose checkpoint is complete
         in the lake (so ``latest`` advances while saves outpace the lake)."""
-        info = await self.uploads.put(inode.key, content, to_metadata(inode, self.uid, self.gid))
-        current = self.meta.get(inode.ino)
-        if current is None or current.orphan or current.key != inode.key:
-            self._landed_stale(inode.key)
-            return True
+        with self._landing_under([inode.key]):
+            info = await self.uploads.put(inode.key, content,
+                                          to_metadata(inode, self.uid, self.gid))
+            current = self.meta.get(inode.ino)
+            if current is None or current.orphan or current.key != inode.key:
+                self._landed_stale(inode.key)
+                return True
         self.meta.update(inode.ino, etag=info.etag)  # a delete now removes it too
         self.host.marker_version_published(inode.ino, seq)
         log.debug("%s: published an earlier version whose checkpoint is complete", inode.key)

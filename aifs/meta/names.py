@@ -77,7 +77,15 @@ class NamesMixin(StoreBase):
             inode.pack, inode.pack_offset, inode.checksum = "", 0, ""
         elif inode.packed and not inode.pending & DATA:
             pass  # the pack index moves it (no object of its own to copy)
-        elif not inode.is_dir:
+        elif inode.is_dir:
+            if inode.in_lake:
+                # Its marker (only this node's own markers have an etag) landed
+                # while the move was under way, after its listing: not copied.
+                # Delete it; write the marker under the new key.
+                self._tomb(txn, old_key, 0)
+                inode.etag = ""
+                inode.pending |= META
+        else:
             if inode.in_lake and inode.etag != MAYBE_IN_LAKE:
                 # Landed while the move was under way (after its listing): its
                 # object under the old key was not copied. Delete it; upload the

@@ -141,6 +141,8 @@ class Moves:
                 if self.meta.tombstoned(obj.key):
                     continue
                 owner = self.meta.owner_of(obj.key)
+                if owner is None and self.promoter.landing(obj.key):
+                    continue  # a removed entry's upload, landed: tombstoned on its reply
                 owner_inode = self.meta.get(owner) if owner else None
                 if owner_inode is not None and owner_inode.pending & DATA:
                     continue  # uploaded under its new key later

@@ -264,7 +264,7 @@ class Namespace:
         self.moves.packed(source.key, new_key, source.is_dir)
         if source.is_dir:  # descendants to upload again under their new keys
             for inode in self.meta.pending_inodes():
-                if inode.pending & DATA and inodes.is_under(inode, moved.ino):
+                if inode.pending and inodes.is_under(inode, moved.ino):
                     inodes.schedule(inode.ino, sooner=True)
         inodes.touch_dir(old_parent, subdirs=moved.is_dir)
         if new_parent != old_parent:
