@@ -431,3 +431,40 @@ async def test_a_marker_renamed_into_place_is_published_only_as_of_the_rename(tm
         fs.meta.update(model, pending=0)  # the model reached the lake; rng_state.pth not yet
         assert fs.hosting.older_marker_version(fs.meta.get(marker)) is None
         nursery.cancel_scope.cancel()
+
+
+def test_a_new_files_copy_is_made_ahead_and_a_crash_leaves_no_spare(tmp_path):
+    """A create takes an empty copy made ahead, named by an inode number
+    reserved for it (no create or rename of a file on the caller's path). A
+    crash leaves the unused ones behind: the next start removes them, and no
+    inode is ever given a reserved number but by the create that takes it."""
+    from conftest import wait_for
+
+    from aifs.cache.files import SPARES
+    from aifs.meta.store import DATA, FILE, Inode
+    from aifs.posix.recovery import Recovery
+
+    meta = MetaStore(tmp_path / "meta")
+    files = tmp_path / "cache" / "files"
+    local = LocalFiles(tmp_path / "cache")
+    local.start_spares(meta.reserve_inos)
+    try:
+        wait_for(lambda: len(os.listdir(files)) >= SPARES, 30, "copies made ahead")
+        made_ahead = {int(name) for name in os.listdir(files)}
+        new = local.take_new()
+        assert new is not None and new[0] in made_ahead
+        inode = meta.create(ROOT_INO, b"a", Inode(new[0], FILE, "a", ROOT_INO, pending=DATA))
+        assert inode.ino == new[0]
+        os.write(local.create(inode.ino, new), b"written")
+        other = meta.create(ROOT_INO, b"b", Inode(0, FILE, "b", ROOT_INO, pending=DATA))
+        local.create(other.ino)
+        assert other.ino not in made_ahead
+        wait_for(lambda: len(local._spares) >= SPARES, 30, "copies made ahead again")
+        # A crash: the next start finds this cache directory as it is.
+        after = LocalFiles(tmp_path / "cache")
+        Recovery(meta, after).recover()
+        assert sorted(os.listdir(files)) == sorted([str(inode.ino), str(other.ino)])
+        assert (files / str(inode.ino)).read_bytes() == b"written"
+    finally:
+        local.close()
+        meta.close()
