@@ -411,6 +411,15 @@ async def test_a_file_shrunk_into_a_pack_is_no_other_writers_change(tmp_path, nu
     assert "a changed in the lake since this node read it" in caplog.text
 
 
+async def _directory_with_an_object(fs) -> int:
+    """Directory d holding d/kept, an object of its own, all in the lake."""
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
+    await _write(fs, b"kept", b"K" * (2 * MiB))
+    await fs.rename(ROOT_INO, b"kept", d, b"kept", 0)
+    await _sync(fs)
+    return d
+
+
 class LandsFirstStore(GatedStore):
     """Its held PUTs land in the lake first; only the reply waits at the gate
     (the server has the object; the promoter does not know yet)."""
@@ -435,10 +444,7 @@ async def test_a_stale_upload_landed_unanswered_is_not_copied_by_a_rename(
     the same with a file below new directories)."""
     fs = _started(tmp_path, nursery, LandsFirstStore)
     store = fs.gate
-    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
-    await _write(fs, b"kept", b"K" * (2 * MiB))
-    await fs.rename(ROOT_INO, b"kept", d, b"kept", 0)
-    await _sync(fs)
+    d = await _directory_with_an_object(fs)
     store.closed = True
     if kind == "directory":
         store.holds = lambda key: key == "d/x/"
@@ -472,10 +478,7 @@ async def test_an_upload_settled_during_a_directory_rename_moves_with_it(
     gone on the next mount)."""
     fs = _started(tmp_path, nursery, CopyGatedStore)
     store = fs.gate
-    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)).ino
-    await _write(fs, b"kept", b"K" * (2 * MiB))
-    await fs.rename(ROOT_INO, b"kept", d, b"kept", 0)
-    await _sync(fs)
+    d = await _directory_with_an_object(fs)
     store.closed = True
     if kind == "directory":
         store.holds = lambda key: key == "d/y/"
