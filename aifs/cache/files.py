@@ -42,16 +42,12 @@ class LocalFiles:
         self.max_open = max_open
         self.used = 0
         self.evictions = 0
-        # Empty files made ahead by a thread, most of them named by an inode
-        # number reserved for a file not yet created: a create takes one as it
-        # is, where creating a file (or renaming one into place, ~80 us here)
-        # on a busy disk cost the caller more than the rest of the create.
-        self._spares: list[tuple[str, int, int]] = []  # (name, fd, reserved ino or 0)
+        # Empty files made ahead by a thread: a create renames one into place,
+        # which costs the caller a fraction of creating a file on a busy disk.
+        self._spares: list[tuple[str, int]] = []
         self._spares_wanted = threading.Condition(self._lock)
         self._closed = False
         self._spare_counter = 0
-        self._reserve: Callable[[int], range] | None = None
-        self._inos: list[int] = []  # reserved inode numbers for the spares to come
         for entry in os.scandir(self.root):
             if entry.name.isdigit():
                 self._account(int(entry.name), entry.stat().st_size)
@@ -137,21 +133,9 @@ class LocalFiles:
                 return
             os.close(self._fds.pop(ino))
 
-    def start_spares(self, reserve: Callable[[int], range] | None = None) -> None:
-        """Keep a few empty files made ahead (in a thread of their own).
-        ``reserve(n)`` gives n inode numbers no inode has or will get: spares
-        are named by them, for :meth:`take_new` (called where the metadata is
-        written; the thread never calls it)."""
-        self._reserve = reserve
-        self._refill()
+    def start_spares(self) -> None:
+        """Keep a few empty files made ahead (in a thread of their own)."""
         threading.Thread(target=self._make_spares, name="aifs-spares", daemon=True).start()
-
-    def _refill(self) -> None:
-        if self._reserve is not None:
-            inos = list(self._reserve(SPARES))
-            with self._lock:
-                self._inos.extend(reversed(inos))
-                self._spares_wanted.notify()
 
     def _make_spares(self) -> None:
         while True:
@@ -160,65 +144,37 @@ class LocalFiles:
                     self._spares_wanted.wait()
                 if self._closed:
                     return
-                ino = self._inos.pop() if self._inos else 0
-                if ino:
-                    name = self._name(ino)
-                else:
-                    self._spare_counter += 1
-                    name = f"{self._prefix}spare-{self._spare_counter}"
+                self._spare_counter += 1
+                name = str(self.root / f"spare-{self._spare_counter}")
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as exc:  # a full disk: try again later, it may empty
                 log.warning("cannot make spare local files: %s", exc)
                 with self._lock:
-                    if ino:
-                        self._inos.append(ino)
                     self._spares_wanted.wait(5.0)
                 continue
             with self._lock:
-                self._spares.append((name, fd, ino))
+                self._spares.append((name, fd))
 
-    def _take_spare(self, reserved: bool = False) -> tuple[str, int, int] | None:
+    def _take_spare(self) -> tuple[str, int] | None:
         with self._lock:
-            spare = None
-            for i in range(len(self._spares) - 1, -1, -1):
-                if self._spares[i][2] or not reserved:
-                    spare = self._spares.pop(i)
-                    break
+            spare = self._spares.pop() if self._spares else None
             self._spares_wanted.notify()
-            low = self._reserve is not None and len(self._inos) < SPARES // 2
-        if low and reserved:
-            self._refill()
         return spare
 
-    def take_new(self) -> tuple[int, int] | None:
-        """An empty copy made ahead for a new file: (its inode number, its
-        descriptor), for :meth:`create`; None if there is none (the inode
-        then gets a number of its own). Give back an unused one to
-        :meth:`discard_new`."""
-        spare = self._take_spare(reserved=True)
-        return (spare[2], spare[1]) if spare is not None else None
-
-    def discard_new(self, new: tuple[int, int]) -> None:
-        self.discard(self._name(new[0]), new[1])
-
-    def create(self, ino: int, new: tuple[int, int] | None = None) -> int:
-        """A new, empty copy (``new``, from :meth:`take_new`, if given);
-        returns its descriptor."""
+    def create(self, ino: int) -> int:
+        """A new, empty copy; returns its descriptor."""
         self._drop_fd(ino)
-        if new is not None:
-            fd = new[1]
-        else:
-            spare = self._take_spare()
-            if spare is not None:
-                try:
-                    os.rename(spare[0], self._name(ino))  # replaces an old copy at once
-                    fd = spare[1]
-                except OSError:
-                    self.discard(spare[0], spare[1])
-                    spare = None
-            if spare is None:
-                fd = os.open(self._name(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        spare = self._take_spare()
+        if spare is not None:
+            try:
+                os.rename(spare[0], self.path(ino))  # replaces an old copy at once
+                fd = spare[1]
+            except OSError:
+                os.close(spare[1])
+                spare = None
+        if spare is None:
+            fd = os.open(self.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._fds[ino] = fd
         self._account(ino, 0)
         self._close_extra()
@@ -240,7 +196,7 @@ class LocalFiles:
         :meth:`adopt` (whole or not at all): a spare, else a new file.
         Blocking; safe in a worker thread."""
         spare = self._take_spare()  # (not tmp_path: a materialization may be using it)
-        name, fd = spare[:2] if spare is not None else (f"{self._prefix}admit-{ino}", -1)
+        name, fd = spare if spare is not None else (f"{self._prefix}admit-{ino}", -1)
         try:
             if fd < 0:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -311,7 +267,7 @@ class LocalFiles:
             self._closed = True
             self._spares_wanted.notify_all()
             spares, self._spares = self._spares, []
-        for name, fd, _ in spares:
+        for name, fd in spares:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)

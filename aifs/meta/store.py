@@ -183,16 +183,14 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
                     txn.put(u64(ino), inode.encode(), db=self.inodes)
 
     def create(self, parent: int, name: bytes, inode: Inode, unclosed: bool = False) -> Inode:
-        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here
-        (unless it is one :meth:`reserve_inos` gave).
+        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here.
         ``unclosed``: created by an open for writing (see :meth:`mark_unclosed`),
         recorded in the same transaction, so no crash can publish it half made."""
         with self.env.begin(write=True) as txn:
             objkey = key_bytes(inode.key)
             if txn.get(objkey, db=self.tombs) is not None and not inode.etag:
                 inode.etag = MAYBE_IN_LAKE  # an old object there is deleted or replaced
-            if not inode.ino:  # else one from reserve_inos
-                inode.ino = self._counter(txn, SYS_NEXT_INO, 2)
+            inode.ino = self._counter(txn, SYS_NEXT_INO, 2)
             cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
             txn.put(u64(parent) + name, U64X2.pack(inode.ino, cookie), db=self.dentries)
             txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
@@ -201,15 +199,6 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
             if unclosed:
                 txn.put(u64(inode.ino), b"", db=self.unclosed_db)
         return inode
-
-    def reserve_inos(self, count: int) -> range:
-        """``count`` inode numbers no inode has or will be given but by
-        :meth:`create` of an inode that names one (local copies made ahead
-        are named by them)."""
-        with self.env.begin(write=True) as txn:
-            first = self._counter(txn, SYS_NEXT_INO, 2)
-            txn.put(SYS_NEXT_INO, u64(first + count), db=self.sys)
-        return range(first, first + count)
 
     def reincarnate(self, inode: Inode) -> Inode:
         """Give an entry whose file type turned out different (a symlink object

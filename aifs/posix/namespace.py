@@ -77,7 +77,7 @@ class Namespace:
         return directory
 
     def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
-             pending: int, unclosed: bool = False, ino: int = 0, **extra: object) -> Inode:
+             pending: int, unclosed: bool = False, **extra: object) -> Inode:
         now = self.inodes.clock()
         key = directory.key + name_of(name) + ("/" if kind == DIR else "")
         self.check_key(key)
@@ -88,7 +88,7 @@ class Namespace:
             gid = self.inodes.gid if directory.gid < 0 else directory.gid
             if kind == DIR:
                 mode |= stat.S_ISGID
-        inode = Inode(ino, kind, key, directory.ino, mtime_ns=time.time_ns(),
+        inode = Inode(0, kind, key, directory.ino, mtime_ns=time.time_ns(),
                       mode=mode, uid=uid, gid=gid, ctime=now,
                       attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
         inode = self.meta.create(directory.ino, name, inode, unclosed)
@@ -107,15 +107,8 @@ class Namespace:
     async def _new_file(self, parent: int, name: bytes, mode: int, uid: int,
                         gid: int, unclosed: bool = False) -> Inode:
         directory = await self._new_entry(parent, name)
-        new = self.local.take_new()  # its inode number and an empty copy, made ahead
-        try:
-            inode = self._add(directory, name, FILE, mode, uid, gid, DATA, unclosed,
-                              ino=new[0] if new is not None else 0)
-        except BaseException:
-            if new is not None:
-                self.local.discard_new(new)
-            raise
-        self.local.create(inode.ino, new)
+        inode = self._add(directory, name, FILE, mode, uid, gid, DATA, unclosed)
+        self.local.create(inode.ino)
         self.inodes.kernel_etag[inode.ino] = inode.etag
         return inode
 
