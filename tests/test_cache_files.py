@@ -1,0 +1,77 @@
+"""Local copies (the write-back files): the empty files made ahead for creates."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from conftest import wait_for
+
+from aifs.cache.files import SPARES_MIN, LocalFiles
+
+
+def _spares(local: LocalFiles) -> list[str]:
+    return sorted(name for name in os.listdir(local.root) if name.startswith("spare-"))
+
+
+def _inode_numbers(local: LocalFiles, names: list[str]) -> set[int]:
+    return {os.stat(local.root / name).st_ino for name in names}
+
+
+def test_a_burst_of_creates_takes_the_spares_and_the_next_finds_twice_as_many(tmp_path):
+    local = LocalFiles(tmp_path, idle=lambda: True)
+    local.start_spares()
+    try:
+        wait_for(lambda: len(_spares(local)) == SPARES_MIN, 20, "the first spares")
+        made = _inode_numbers(local, _spares(local))
+        burst = SPARES_MIN + 36
+        fds = [local.create(ino) for ino in range(2, 2 + burst)]
+        copies = {os.fstat(fd).st_ino for fd in fds}
+        assert made <= copies  # every spare became a copy
+        assert all(os.fstat(fd).st_size == 0 for fd in fds)
+        assert all(local.path(ino).exists() for ino in range(2, 2 + burst))
+        wait_for(lambda: len(_spares(local)) >= 2 * burst, 30,
+                 "spares for a burst twice the size of the last")
+    finally:
+        local.close()
+
+
+def test_spares_outlive_the_mount_and_one_holding_bytes_is_dropped(tmp_path):
+    """A spare an admission was writing into when the daemon died holds
+    bytes: the next mount deletes it; the empty ones serve its creates."""
+    local = LocalFiles(tmp_path, idle=lambda: True)
+    local.start_spares()
+    wait_for(lambda: len(_spares(local)) == SPARES_MIN, 20, "the first spares")
+    local.close()
+    names = _spares(local)
+    (local.root / names[0]).write_bytes(b"an admission cut short")
+    kept = _inode_numbers(local, names[1:])
+
+    again = LocalFiles(tmp_path, idle=lambda: True)  # (no maker: only what was kept)
+    try:
+        assert _spares(again) == names[1:]
+        fd = again.create(7)
+        assert os.fstat(fd).st_ino in kept
+        assert os.fstat(fd).st_size == 0
+        assert again.path(7).read_bytes() == b""
+    finally:
+        again.close()
+
+
+def test_no_spare_is_made_while_the_cpus_are_busy(tmp_path):
+    asked = threading.Semaphore(0)
+
+    def busy() -> bool:
+        asked.release()
+        return False
+
+    local = LocalFiles(tmp_path, idle=busy)
+    local.start_spares()
+    try:
+        for _ in range(3):  # the maker asked three times, and was told no each time
+            assert asked.acquire(timeout=20)
+        assert _spares(local) == []
+        fd = local.create(2)  # a create makes its own file meanwhile
+        assert os.fstat(fd).st_size == 0
+    finally:
+        local.close()
