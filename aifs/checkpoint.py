@@ -211,11 +211,12 @@ class Checkpoints:
         path = path_of(inode)
         return self.policies.is_staging(path + "/-" if inode.is_dir else path)
 
-    def closed(self, ino: int) -> None:
+    def closed(self, ino: int, stored: Inode | None = None) -> None:
         """A writer of ``ino`` closed it (flush, before close() returns): a marker
         counts as written now, so it also waits for what was written since it
-        was first made dirty; its content as of now is kept as one version."""
-        inode = self.meta.get(ino)
+        was first made dirty; its content as of now is kept as one version.
+        ``stored``: the inode as just stored, if the caller has it."""
+        inode = stored if stored is not None else self.meta.get(ino)
         if inode is not None and inode.pending & DATA and self.is_marker(inode):
             self.meta.renew_order(ino, self._content(inode))
 

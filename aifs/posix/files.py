@@ -123,9 +123,10 @@ class Files:
     async def flush(self, fh: int) -> None:
         handle = self._file(fh)
         if handle.writable:
-            self.inodes.save_written(handle.ino)
+            stored = self.inodes.save_written(handle.ino)
             self.inodes.clear_unclosed(handle.ino)
-            self.checkpoints.closed(handle.ino)  # before close() returns: a crash keeps it
+            # before close() returns: a crash keeps it
+            self.checkpoints.closed(handle.ino, stored)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         inodes = self.inodes

@@ -228,12 +228,15 @@ class Inodes:
         self.unsaved.discard(ino)
         self.marked_dirty.discard(ino)
 
-    def save_written(self, ino: int) -> None:
-        """Store the in-memory size and mtime of a file being written."""
+    def save_written(self, ino: int) -> Inode | None:
+        """Store the in-memory size and mtime of a file being written; the
+        inode as stored, if there was anything to store."""
         written = self.written.get(ino)
         if written is not None and ino in self.unsaved:
             self.unsaved.discard(ino)
-            self.meta.update(ino, size=written[0], mtime_ns=written[1], ctime=self.clock())
+            return self.meta.update(ino, size=written[0], mtime_ns=written[1],
+                                    ctime=self.clock())
+        return None
 
     def schedule(self, ino: int, sooner: bool = False) -> None:
         """Promote ``ino`` after the delay, unless still open for writing

@@ -117,6 +117,10 @@ class Namespace:
         # opened for writing: a crash before its close must never publish it
         inode = await self._new_file(parent, name, mode, uid, gid,
                                      unclosed=bool(flags & (os.O_WRONLY | os.O_RDWR)))
+        # new, empty and dirty: the writes and a direct open find it so
+        # without reading the metadata (Writes.make_local's common case)
+        self.inodes.written[inode.ino] = (0, inode.mtime_ns)
+        self.inodes.marked_dirty.add(inode.ino)
         fh = self.files.open_handle(inode, writable=True)
         self.inodes.files[fh].kill_setid = uid != 0
         self.files.maybe_stream(inode)
