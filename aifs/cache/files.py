@@ -59,7 +59,6 @@ class LocalFiles:
         # They are made only between bursts of creates, never beside one.
         self._spares: list[str] = []
         self._spares_wanted = threading.Condition(self._lock)
-        self._spares_target = SPARES_MIN
         self._burst = 0  # spares taken since the maker last found it quiet
         self._last_use = 0.0  # a copy was last created or opened (monotonic)
         self._idle = idle or IdleCpu().idle  # whether spares may be made now
@@ -208,24 +207,26 @@ class LocalFiles:
             self._burst += 1
             return self._spares.pop() if self._spares else None
 
-    def create(self, ino: int) -> int:
-        """A new, empty copy; returns its descriptor."""
-        self._drop_fd(ino)
-        name = self._name(ino)
-        fd = -1
+    def _empty_file(self, fallback: str) -> tuple[str, int]:
+        """An empty file and its read-write descriptor: a spare, else
+        ``fallback`` made now."""
         spare = self._take_spare()
         if spare is not None:
             with contextlib.suppress(OSError):
-                os.rename(spare, name)  # replaces an old copy at once
-                # No O_TRUNC on it: ext4 then writes a file's delayed blocks out
-                # when it is closed, which made the close of a 1 GiB write wait
-                # for the disk (auto_da_alloc; 0.2 -> 0.65 s in aifs bench).
-                fd = os.open(name, os.O_RDWR)
-        if fd < 0:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._fds[ino] = fd
-        self._account(ino, 0)
-        self._close_extra()
+                # No O_TRUNC on a spare: ext4 then writes a file's delayed blocks
+                # out when it is closed, which made the close of a 1 GiB write
+                # wait for the disk (auto_da_alloc; 0.2 -> 0.65 s in aifs bench).
+                return spare, os.open(spare, os.O_RDWR)
+        return fallback, os.open(fallback, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def create(self, ino: int) -> int:
+        """A new, empty copy (it replaces an old one at once); returns its descriptor."""
+        made, fd = self._empty_file(self._name(ino))
+        try:
+            self.adopt(ino, made, fd, 0)
+        except BaseException:
+            self.discard(made, fd)
+            raise
         return fd
 
     def adopt(self, ino: int, tmp: Path | str, fd: int = -1, size: int = -1) -> None:
@@ -233,8 +234,9 @@ class LocalFiles:
         the rename fails nothing changed); ``fd``, an open descriptor of it, is
         kept as the copy's, and ``size`` spares a stat."""
         self._drop_fd(ino)
-        os.rename(tmp, self.path(ino))
-        self._account(ino, size if size >= 0 else os.stat(self.path(ino)).st_size)
+        name = self._name(ino)
+        os.rename(tmp, name)
+        self._account(ino, size if size >= 0 else os.stat(name).st_size)
         if fd >= 0:
             self._fds[ino] = fd
             self._close_extra()
@@ -244,12 +246,8 @@ class LocalFiles:
         :meth:`adopt` (whole or not at all): a spare, else a new file.
         Blocking; safe in a worker thread."""
         # (not tmp_path: a materialization may be using it)
-        spare = self._take_spare()
-        name = spare or f"{self._prefix}admit-{ino}"
-        fd = -1
-        try:  # (a spare is empty: no O_TRUNC, see create)
-            fd = os.open(name, os.O_RDWR if spare else os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                         0o600)
+        name, fd = self._empty_file(f"{self._prefix}admit-{ino}")
+        try:
             view = memoryview(data)
             while view:
                 view = view[os.pwrite(fd, view, len(data) - len(view)):]

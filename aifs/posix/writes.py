@@ -189,15 +189,17 @@ class Writes:
                     await self._materialize(inodes.get(ino), needed)
                 if self._materializing.get(ino) is lock and not lock.statistics().tasks_waiting:
                     del self._materializing[ino]
+        stored = None
         if ino not in inodes.written:  # no lock taken when nothing is fetched: no task switch
-            inode = inodes.get(ino)
-            inodes.written[ino] = (inode.size, inode.mtime_ns)
-        self.mark_dirty(ino)
+            stored = inodes.get(ino)
+            inodes.written[ino] = (stored.size, stored.mtime_ns)
+        self.mark_dirty(ino, stored)
         return inodes.written[ino]
 
-    def mark_dirty(self, ino: int) -> None:
-        """The local copy of ``ino`` holds changes the lake lacks (pending DATA)."""
-        inode = self.meta.get(ino)
+    def mark_dirty(self, ino: int, stored: Inode | None = None) -> None:
+        """The local copy of ``ino`` holds changes the lake lacks (pending DATA).
+        ``stored``: the inode as stored, if the caller just read it."""
+        inode = stored if stored is not None else self.meta.get(ino)
         if inode is not None and not inode.pending & DATA:
             self.meta.update(ino, pending=inode.pending | DATA, ctime=self.inodes.clock())
             self.local.mark_dirty(ino)
