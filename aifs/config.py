@@ -129,6 +129,11 @@ class Config:
                                 "while requests come that close together, before it "
                                 "sleeps (a woken CPU costs more than the poll); 0: never.",
                                 "int")
+    fuse_transport: str = _option("dev", "With the kernel binding: how requests come and "
+                                  "go: 'dev' (reads and writes of /dev/fuse) or 'uring' "
+                                  "(FUSE over io_uring: one ring per CPU, each request "
+                                  "answered on its caller's CPU; needs Linux 6.14+ with "
+                                  "the fuse module's enable_uring on, else 'dev').")
     dir_prefetch: bool = _option(False, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch), many "
                                  "GETs at once: for a lake far away (tens of ms per GET). "
@@ -254,6 +259,9 @@ class Config:
                               "parts_in_flight must be at least 1")
         if not 0 <= self.fuse_poll_us <= 10_000:
             raise ConfigError("fuse_poll_us must be between 0 and 10000")
+        if self.fuse_transport not in ("dev", "uring"):
+            raise ConfigError("fuse_transport must be 'dev' or 'uring', not "
+                              f"{self.fuse_transport!r}")
         if self.fuse_binding not in ("auto", "kernel", "pyfuse3"):
             raise ConfigError("fuse_binding must be 'auto', 'kernel' or 'pyfuse3', not "
                               f"{self.fuse_binding!r}")

@@ -298,6 +298,30 @@ class Mount:
         return self.log.read_text(errors="replace")
 
 
+URING_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def uring_for_the_run() -> Iterator[None]:
+    """``AIFS_FUSE_TRANSPORT=uring`` (a CI run on FUSE over io_uring): the fuse
+    module's ``enable_uring`` is on for the run and put back after; a run
+    that asks for it where it cannot be had stops, rather than pass on
+    /dev/fuse."""
+    if os.environ.get("AIFS_FUSE_TRANSPORT") != "uring":
+        yield
+        return
+    try:
+        was = URING_PARAMETER.read_text().strip()
+        URING_PARAMETER.write_text("Y")
+    except OSError as exc:
+        pytest.exit(f"AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be "
+                    f"enabled here: {exc}", returncode=2)
+    try:
+        yield
+    finally:
+        URING_PARAMETER.write_text(was)
+
+
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
 
 

@@ -129,7 +129,8 @@ class KernelBinding:
         self.session = Session(self.fd, self.ops, self.fs.forget, self.passthrough,
                                max_background=max(12, self.config.max_connections * 2),
                                want_passthrough=self.config.passthrough,
-                               poll=self.config.fuse_poll_us / 1e6)
+                               poll=self.config.fuse_poll_us / 1e6,
+                               transport=self.config.fuse_transport)
 
     async def serve(self) -> None:
         assert self.session is not None

@@ -130,7 +130,7 @@ def serve(mountpoint: str, transport: str) -> None:
         try:
             ring = uring.FuseRing(fd, [cpu], per_queue=2, payload=MAX_WRITE)
             try:
-                ring.serve(handle)
+                ring.serve(lambda entry, request: handle(request))
             finally:
                 ring.close()
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread

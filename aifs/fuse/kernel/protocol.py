@@ -42,6 +42,7 @@ CACHE_SYMLINKS = 1 << 23
 HANDLE_KILLPRIV_V2 = 1 << 28
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
+OVER_IO_URING = 1 << 41
 
 # -- open reply flags -----------------------------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0

@@ -42,8 +42,10 @@ import trio
 
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
+from aifs.fuse.kernel import uring
 from aifs.fuse.kernel.operations import Operations, Reply, Request
 from aifs.fuse.kernel.passthrough import Passthrough
+from aifs.fuse.kernel.rings import Rings
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ STOPPING = sum(1 << (sig - 1) for sig in (signal.SIGINT, signal.SIGTERM, signal.
 class Session:
     def __init__(self, fd: int, ops: Operations, forget: Callable[[list[tuple[int, int]]], None],
                  passthrough: Passthrough, max_background: int = 12,
-                 want_passthrough: bool = False, poll: float = 0.0) -> None:
+                 want_passthrough: bool = False, poll: float = 0.0,
+                 transport: str = "dev") -> None:
         self.fd = fd
         self.ops = ops
         self.forget = forget
@@ -90,22 +93,32 @@ class Session:
         #: INTERRUPTED once answered EINTR (their own answer is then dropped)
         self.pending: dict[int, int] = {}
         self._workers: trio.Nursery | None = None
+        self._outer: trio.Nursery | None = None
+        # FUSE over io_uring (transport "uring", where the kernel allows it)
+        self.rings = Rings(self, INTERRUPTIBLE, _stopping) \
+            if transport == "uring" and uring.enabled() else None
         os.set_blocking(fd, False)
 
     async def run(self) -> None:
         """Serve until the kernel ends the session (unmount) or :meth:`terminate`."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_done, nursery)
+            self._outer = nursery
             async with trio.open_nursery() as workers:
                 self._workers = workers
                 self._spawn()
+            if self.rings is not None:  # requests a ring's thread began may finish
+                await self.rings.stop(STOP_GRACE)
             nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
     def summary(self) -> str:
         """The requests served, by kind, most first (and how many had to wait)."""
-        return ", ".join(f"{p.NAMES.get(op, op)} {n}"
-                         + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
-                         for op, n in self.counts.most_common())
+        served = ", ".join(f"{p.NAMES.get(op, op)} {n}"
+                           + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
+                           for op, n in self.counts.most_common())
+        if self.rings is not None and self.rings.threads:
+            served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
+        return served
 
     def terminate(self) -> None:
         self.done.set()
@@ -228,6 +241,8 @@ class Session:
             return
         if opcode == p.INTERRUPT:
             (which,) = p.INTERRUPT_IN.unpack_from(body)
+            if self.rings is not None and self.rings.interrupt(which):
+                return
             caller = self.pending.get(which, INTERRUPTED)
             if caller != INTERRUPTED and _stopping(caller):
                 self.pending[which] = INTERRUPTED
@@ -235,6 +250,12 @@ class Session:
             return
         if opcode == p.INIT:
             self._reply(unique, 0, self._init(body))
+            if self.rings is not None and self.rings.chosen:
+                assert self._outer is not None
+                self.rings.start(self._outer)
+                # /dev/fuse now brings FORGETs and INTERRUPTs only; a poll there
+                # would hold the core lock the rings' threads wait for
+                self.poll = 0.0
             return
         if opcode == p.DESTROY:
             self._reply(unique, 0, b"")
@@ -305,7 +326,11 @@ class Session:
                 | p.MAX_PAGES | p.CACHE_SYMLINKS | p.HANDLE_KILLPRIV_V2 | p.INIT_EXT)
         if self.want_passthrough:
             want |= p.PASSTHROUGH
+        if self.rings is not None:
+            want |= p.OVER_IO_URING
         chosen = flags & want
+        if self.rings is not None:
+            self.rings.chosen = bool(chosen & p.OVER_IO_URING)
         self.passthrough.enabled = bool(chosen & p.PASSTHROUGH)
         log.info("FUSE protocol 7.%d; kernel offered %#x, using %#x", minor, flags, chosen)
         return p.INIT_OUT.pack(

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import struct
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +45,8 @@ _SETUP_SQE128 = 1 << 10
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQES = 0x10000000
-_OP_URING_CMD = 46
+_OP_READ, _OP_URING_CMD = 22, 46
+_WAKE = 1 << 63  # user_data of the read of the wake-up eventfd
 _CMD_REGISTER, _CMD_COMMIT_AND_FETCH = 1, 2
 
 _PARAMS_SIZE = 120
@@ -63,9 +65,11 @@ _OP_IN, _ENT = 128, 256
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
-#: serve(request) -> (errno, reply body): request is the in-header, the
-#: operation's header and its payload, laid out as a /dev/fuse read gives them
-Serve = Callable[[bytes], tuple[int, bytes]]
+#: answer(entry, request) -> (errno, reply body), or None when the answer
+#: comes later (given to :meth:`FuseRing.serve`'s ``done``). The request is
+#: the in-header, the operation's header and its payload, laid out as a
+#: /dev/fuse read gives them.
+Answer = Callable[[int, bytes], "tuple[int, bytes] | None"]
 
 
 def enabled() -> bool:
@@ -129,25 +133,51 @@ class FuseRing:
                 header, body = mmap.mmap(-1, 4096), mmap.mmap(-1, payload)
                 iov = (ctypes.c_uint64 * 4)(_address(header), HEADER_SIZE, _address(body), payload)
                 self.entries.append((qid, header, body, iov))
+        # answers that come later (from another thread) wake the ring's thread
+        # through an eventfd it keeps a read queued on
+        self.event = os.eventfd(0, os.EFD_CLOEXEC)
+        self._event_buffer = (ctypes.c_uint64 * 1)()
+        self._payload = payload
         for i, (qid, _, _, iov) in enumerate(self.entries):
             self._queue(i, _CMD_REGISTER, 0, qid, ctypes.addressof(iov))
+        self._queue_wake_read()
         _enter(self.fd, self._unsubmitted, 0)
         self._unsubmitted = 0
 
-    def _queue(self, entry: int, cmd: int, commit_id: int, qid: int, iov: int = 0) -> None:
+    def _slot(self) -> tuple[int, int]:
         tail = _U32.unpack_from(self.ring, self._sq_tail)[0]
-        slot = tail & self._sq_mask
-        at = slot * _SQE_SIZE
+        at = (tail & self._sq_mask) * _SQE_SIZE
         self.sqes[at:at + _SQE_SIZE] = bytes(_SQE_SIZE)
-        _SQE_HEAD.pack_into(self.sqes, at, _OP_URING_CMD, 0, 0, self.devfd, cmd, 0, iov,
-                            2 if iov else 0, 0, entry)
-        _CMD_REQ.pack_into(self.sqes, at + 48, 0, commit_id, qid)
+        return tail, at
+
+    def _push(self, tail: int) -> None:
+        slot = tail & self._sq_mask
         _U32.pack_into(self.ring, self._sq_array + slot * 4, slot)
         _U32.pack_into(self.ring, self._sq_tail, tail + 1)  # the syscall orders it after the rest
         self._unsubmitted += 1
 
-    def serve(self, serve: Serve) -> None:
-        """Answer requests until the session ends (unmount or abort)."""
+    def _queue(self, entry: int, cmd: int, commit_id: int, qid: int, iov: int = 0) -> None:
+        tail, at = self._slot()
+        _SQE_HEAD.pack_into(self.sqes, at, _OP_URING_CMD, 0, 0, self.devfd, cmd, 0, iov,
+                            2 if iov else 0, 0, entry)
+        _CMD_REQ.pack_into(self.sqes, at + 48, 0, commit_id, qid)
+        self._push(tail)
+
+    def _queue_wake_read(self) -> None:
+        tail, at = self._slot()
+        _SQE_HEAD.pack_into(self.sqes, at, _OP_READ, 0, 0, self.event, 0, 0,
+                            ctypes.addressof(self._event_buffer), 8, 0, _WAKE)
+        struct.pack_into("<q", self.sqes, at + 8, -1)  # off: the eventfd's own
+        self._push(tail)
+
+    def wake(self) -> None:
+        """Make the ring's thread look at answers given to it (any thread)."""
+        os.eventfd_write(self.event, 1)
+
+    def serve(self, answer: Answer, done: deque[tuple[int, int, bytes]] | None = None) -> None:
+        """Answer requests until the session ends (unmount or abort); answers
+        that came later are taken from ``done`` (entry, errno, body) when
+        :meth:`wake` is called."""
         ring = self.ring
         while True:
             head = _U32.unpack_from(ring, self._cq_head)[0]
@@ -160,21 +190,35 @@ class FuseRing:
                 entry, result, _ = _CQE.unpack_from(ring, self._cqes + (head & self._cq_mask) * 16)
                 head += 1
                 _U32.pack_into(ring, self._cq_head, head)
+                if entry == _WAKE:
+                    while done:
+                        self._commit(*done.popleft())
+                    self._queue_wake_read()
+                    continue
                 if result < 0:
                     if result in (-errno.ENOTCONN, -errno.ECONNABORTED, -errno.ECANCELED):
                         return  # the session ended
                     raise OSError(-result, f"FUSE io_uring entry: {os.strerror(-result)}")
-                self._answer(entry, serve)
+                self._answer(entry, answer)
 
-    def _answer(self, entry: int, serve: Serve) -> None:
-        qid, header, body, _ = self.entries[entry]
-        length, _, unique = _IN_HEADER.unpack_from(header)[:3]
-        _, commit_id, payload = _ENT_IN_OUT.unpack_from(header, _ENT)
+    def _answer(self, entry: int, answer: Answer) -> None:
+        _, header, body, _ = self.entries[entry]
+        length = _U32.unpack_from(header)[0]
+        payload = _ENT_IN_OUT.unpack_from(header, _ENT)[2]
         own = length - _IN_HEADER.size - payload  # the operation's header: first argument
-        error, reply = serve(header[:_IN_HEADER.size] + header[_OP_IN:_OP_IN + own]
-                             + body[:payload])
-        if error:
-            reply = b""
+        result = answer(entry, header[:_IN_HEADER.size] + header[_OP_IN:_OP_IN + own]
+                        + body[:payload])
+        if result is not None:
+            self._commit(entry, *result)
+
+    def _commit(self, entry: int, error: int, reply: bytes) -> None:
+        qid, header, body, _ = self.entries[entry]
+        unique = _IN_HEADER.unpack_from(header)[2]
+        commit_id = _ENT_IN_OUT.unpack_from(header, _ENT)[1]
+        if error or len(reply) > self._payload:
+            if not error:
+                log.error("answer of %d bytes does not fit a ring entry", len(reply))
+            error, reply = error or errno.EIO, b""
         header[:_OUT_HEADER.size] = _OUT_HEADER.pack(_OUT_HEADER.size + len(reply), -error,
                                                      unique)
         body[:len(reply)] = reply
@@ -185,6 +229,7 @@ class FuseRing:
         self.ring.close()
         self.sqes.close()
         os.close(self.fd)
+        os.close(self.event)
 
 
 def _address(buffer: mmap.mmap) -> int:
