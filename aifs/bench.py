@@ -1,7 +1,9 @@
 """``aifs bench``: the standard workloads on temporary mounts beside the local disk.
 
 Each workload runs on the local disk (a directory beside the cache) and on an
-aifs mount of each binding asked for (``kernel``, ``pyfuse3``), interleaved
+aifs mount of each binding asked for (``kernel``, ``pyfuse3``, and ``uring``:
+the kernel binding over FUSE over io_uring, the fuse module's
+``enable_uring`` turned on for the run and put back after), interleaved
 run by run so no side gets a quieter machine; the table shows medians and
 the ratio of each binding to the local disk. The lake is a fresh
 local-directory lake in the work directory, so the mount's local copies (the
@@ -67,11 +69,13 @@ class Mount:
     def __init__(self, lake: Path, path: Path, cache: Path, binding: str, log: Path) -> None:
         path.mkdir(parents=True)
         self.path = path
+        env = dict(os.environ, AIFS_FUSE_TRANSPORT="uring" if binding == "uring" else "dev")
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "aifs", "mount", str(lake), str(path), "--foreground",
-                 "--cache-dir", str(cache), "--fuse-binding", binding,
-                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+                 "--cache-dir", str(cache), "--fuse-binding",
+                 "kernel" if binding == "uring" else binding,
+                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while not os.path.ismount(path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -173,6 +177,7 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         state: Any = {f"w{i}": torch.rand(size // 32, generator=gen) for i in range(8)}
     except ImportError:
         state = None
+    uring_was = _enable_uring() if "uring" in bindings else None
     work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
     mounts: dict[str, Mount] = {}
     times: dict[str, dict[str, list[float]]] = {}
@@ -225,10 +230,26 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         for mount in mounts.values():
             mount.stop()
         shutil.rmtree(work, ignore_errors=True)
+        if uring_was is not None:
+            URING_PARAMETER.write_text(uring_was)
     medians = {side: {key: statistics.median(values) for key, values in got.items()}
                for side, got in times.items()}
     return {"size": size, "files": files, "runs": runs, "seconds": medians,
             "daemon_cpu_s_per_gib_warm": {side: statistics.median(v) for side, v in cpu.items()}}
+
+
+URING_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+def _enable_uring() -> str:
+    """Turn the fuse module's enable_uring on; returns what it was."""
+    try:
+        was = URING_PARAMETER.read_text().strip()
+        URING_PARAMETER.write_text("Y")
+    except OSError as exc:
+        raise ConfigError(f"aifs bench: FUSE over io_uring cannot be enabled here: {exc}") \
+            from None
+    return was
 
 
 def table(result: dict[str, Any]) -> str:

@@ -136,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--files", type=int, default=2000, help="small files of 16 KiB")
     bench.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
     bench.add_argument("--binding", dest="bindings", action="append",
-                       choices=["kernel", "pyfuse3"], help="default: both")
+                       choices=["kernel", "pyfuse3", "uring"],
+                       help="default: kernel and pyfuse3; uring: the kernel binding over "
+                       "FUSE over io_uring")
     bench.add_argument("--work-dir", help="on the disk to compare with (default /var/tmp)")
     bench.add_argument("--json", action="store_true", help="the results as JSON")
     return parser
