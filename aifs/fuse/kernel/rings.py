@@ -27,11 +27,11 @@ on a ring runs to its end. FORGET comes on ``/dev/fuse`` as before.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -58,41 +58,35 @@ DONE, WAITS, NO_CARRIER = 0, 1, 2  # what Lender.run did
 
 class CoreLock(trio.abc.Instrument):
     """Held by the trio thread except while it waits for I/O; taken by a ring
-    thread to answer a request. A ring thread waiting goes before trio runs
-    again (a plain lock would let trio take it back at once)."""
+    thread to answer requests. Nobody waits on it: a ring thread that finds
+    it taken queues its request for the holder, who answers the queue before
+    it lets go (:meth:`Rings._leave`; the trio thread in ``before_io_wait``).
+    Two threads handing a lock back and forth across CPUs (and the GIL with
+    it) cost more, under load, than one answering for both."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._count = threading.Lock()
-        self._wanting = 0
+        self.on_release: Callable[[], None] = _nothing
 
     def install(self) -> None:
         """From the trio thread."""
         self._lock.acquire()
         trio.lowlevel.add_instrument(self)
 
-    def remove(self) -> None:
-        """From the trio thread: it keeps the lock (ring threads wait for good)."""
-        trio.lowlevel.remove_instrument(self)
-
     def before_io_wait(self, timeout: float) -> None:
+        try:
+            self.on_release()
+        except Exception:  # an instrument that raises is dropped by trio: never
+            log.exception("answering queued ring requests")
         self._lock.release()
 
     def after_io_wait(self, timeout: float) -> None:
         self._lock.acquire()
-        while self._wanting:
-            self._lock.release()
-            time.sleep(0)  # (lets the GIL go too)
-            self._lock.acquire()
 
-    def __enter__(self) -> None:
-        with self._count:
-            self._wanting += 1
-        self._lock.acquire()
-        with self._count:
-            self._wanting -= 1
+    def try_enter(self) -> bool:
+        return self._lock.acquire(False)
 
-    def __exit__(self, *exc: object) -> None:
+    def leave(self) -> None:
         self._lock.release()
 
 
@@ -249,8 +243,10 @@ class RingThread:
     def complete(self, entry: int, error: int, body: bytes) -> None:
         """The answer to a request that waited (any thread)."""
         self.done.append((entry, error, body))
-        if self.ring is not None:
-            self.ring.wake()
+        ring = self.ring
+        if ring is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: the session ended
+                ring.wake()
 
     def _run(self) -> None:
         try:
@@ -268,7 +264,8 @@ class RingThread:
         except Exception:
             log.exception("FUSE ring of CPU %d failed", self.cpu)
         finally:
-            self.ring.close()
+            ring, self.ring = self.ring, None  # answers that come late go nowhere
+            ring.close()
 
 
 class Rings:
@@ -286,11 +283,15 @@ class Rings:
         self.lender = Lender()
         self.threads: list[RingThread] = []
         self.answered = 0  # requests that came through the rings
+        # requests whose ring's thread found the core lock taken: its holder
+        # answers them (ring, entry, request)
+        self.queued: collections.deque[tuple[RingThread, int, bytes]] = collections.deque()
         self._nursery: trio.Nursery | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
         """From the trio thread, after the INIT answer."""
         self._nursery = nursery
+        self.lender.lock.on_release = self._drain  # trio answers the queue before it waits
         self.lender.start(nursery)
         for cpu in range(os.cpu_count() or 1):  # every CPU's queue needs entries
             thread = RingThread(self.session.fd, cpu, PAYLOAD, self._answer)
@@ -308,18 +309,56 @@ class Rings:
 
     def _answer(self, ring: RingThread, entry: int, request: bytes) -> tuple[int, bytes] | None:
         """Answer one request in ring thread ``ring`` (None: answered later)."""
+        if self.stopped:
+            return errno.EIO, b""
+        lock = self.lender.lock
+        if not lock.try_enter():  # the holder answers it before it lets go
+            self.queued.append((ring, entry, request))
+            if lock.try_enter():  # it let go meanwhile: the queue is ours to answer
+                self._leave()
+            return None
         try:
-            return self._answer_one(ring, entry, request)
+            return self._serve(ring, entry, request, inline=True)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Answer what was queued, then let the core lock go (and take it
+        again if more came meanwhile)."""
+        lock = self.lender.lock
+        while True:
+            self._drain()
+            lock.leave()
+            if not self.queued or not lock.try_enter():
+                return
+
+    def _drain(self) -> None:
+        """Holding the core lock: answer the requests other rings queued."""
+        queued = self.queued
+        while queued:
+            ring, entry, request = queued.popleft()
+            answer = self._serve(ring, entry, request, inline=False)
+            if answer is not None:
+                ring.complete(entry, *answer)
+
+    def _serve(self, ring: RingThread, entry: int, request: bytes,
+               inline: bool) -> tuple[int, bytes] | None:
+        """Holding the core lock: answer a request of ``ring`` (None: its
+        answer goes to the ring later, from wherever its handler ends)."""
+        try:
+            return self._serve_one(ring, entry, request, inline)
         except Exception:  # the entry must be answered, or its caller waits for good
-            log.exception("answering a request on the ring of CPU %d", ring.cpu)
+            log.exception("answering a request of the ring of CPU %d", ring.cpu)
             return errno.EIO, b""
 
-    def _answer_one(self, ring: RingThread, entry: int,
-                    request: bytes) -> tuple[int, bytes] | None:
+    def _serve_one(self, ring: RingThread, entry: int, request: bytes,
+                   inline: bool) -> tuple[int, bytes] | None:
         session, lender = self.session, self.lender
         (length, opcode, unique, nodeid, uid, gid, pid, extlen,
          _) = p.IN_HEADER.unpack_from(request)
         body = memoryview(request)[p.IN_HEADER.size:length - extlen * 8]
+        if self.stopped:
+            return errno.EIO, b""
         if opcode == p.DESTROY:
             lender.call_soon(session.done.set)
             return 0, b""
@@ -344,23 +383,18 @@ class Rings:
                     result[1][:8], "little")):  # answered EINTR already: its count goes back
                 session._forget([(node, 1)])
 
-        if self.stopped:
-            return errno.EIO, b""
-        with lender.lock:
-            if self.stopped:
-                return errno.EIO, b""
-            session.counts[opcode] += 1
-            self.answered += 1
-            request_ = Request(opcode, unique, nodeid, uid, gid, pid)
-            done = lender.run(handler(request_, body), finish)
-            if done == WAITS:
-                later = True
-                session.waited[opcode] += 1
-            elif done == NO_CARRIER:
-                later = True
-                lender.call_soon(self._start_task, handler, request_, body, finish)
-            if later and opcode in self.interruptible:
-                self.waiting[unique] = (ring, entry, pid)
+        session.counts[opcode] += 1
+        self.answered += 1
+        request_ = Request(opcode, unique, nodeid, uid, gid, pid)
+        done = lender.run(handler(request_, body), finish)
+        if done == WAITS:
+            later = True
+            session.waited[opcode] += 1
+        elif done == NO_CARRIER:
+            later = True
+            lender.call_soon(self._start_task, handler, request_, body, finish)
+        if later and opcode in self.interruptible:
+            self.waiting[unique] = (ring, entry, pid)
         return answer
 
     def interrupt(self, unique: int) -> bool:
