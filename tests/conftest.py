@@ -322,6 +322,20 @@ def uring_for_the_run() -> Iterator[None]:
         URING_PARAMETER.write_text(was)
 
 
+@pytest.fixture
+def uring_enabled() -> Iterator[None]:
+    """The fuse module's ``enable_uring`` on for the test (root), put back after."""
+    if not URING_PARAMETER.exists():
+        pytest.skip("this kernel has no FUSE over io_uring")
+    was = URING_PARAMETER.read_text().strip()
+    try:
+        URING_PARAMETER.write_text("Y")
+    except OSError as exc:
+        pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
+    yield
+    URING_PARAMETER.write_text(was)
+
+
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
 
 

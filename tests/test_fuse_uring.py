@@ -17,23 +17,8 @@ import pytest
 from conftest import _make_lake
 
 from aifs.fuse.kernel import mount as kmount
-from aifs.fuse.kernel import uring
 
 FLOOR = Path(__file__).parent / "bench" / "transport_floor.py"
-
-
-@pytest.fixture
-def uring_enabled():
-    """fuse.enable_uring on for the test (root), put back after."""
-    if not uring.ENABLE_PARAMETER.exists():
-        pytest.skip("this kernel has no FUSE over io_uring")
-    was = uring.ENABLE_PARAMETER.read_text().strip()
-    try:
-        uring.ENABLE_PARAMETER.write_text("Y")
-    except OSError as exc:
-        pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
-    yield
-    uring.ENABLE_PARAMETER.write_text(was)
 
 
 def _serve(mountpoint: Path, transport: str) -> subprocess.Popen[str]:
