@@ -27,12 +27,12 @@ on a ring runs to its end. FORGET comes on ``/dev/fuse`` as before.
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import outcome
@@ -56,38 +56,90 @@ PAYLOAD = 1 << 20  # an entry holds the session's largest request (max_write, MA
 DONE, WAITS, NO_CARRIER = 0, 1, 2  # what Lender.run did
 
 
-class CoreLock(trio.abc.Instrument):
-    """Held by the trio thread except while it waits for I/O; taken by a ring
-    thread to answer requests. Nobody waits on it: a ring thread that finds
-    it taken queues its request for the holder, who answers the queue before
-    it lets go (:meth:`Rings._leave`; the trio thread in ``before_io_wait``).
-    Two threads handing a lock back and forth across CPUs (and the GIL with
-    it) cost more, under load, than one answering for both."""
+class CoreLock:
+    """Held by the trio thread except while it sleeps in epoll; taken by a
+    ring thread to answer requests.
+
+    Released around the epoll call itself (trio's I/O manager's
+    ``get_events``, wrapped: :func:`_wrap_get_events`), not in an
+    instrument's ``before_io_wait`` / ``after_io_wait``: between those two
+    trio also runs ``process_events``, which reschedules tasks and changes
+    epoll registrations a handler waiting on a socket changes too.
+
+    Nobody waits on it but trio: a ring thread that finds it taken queues its
+    request for the holder, who answers the queue before it lets go, and
+    looks again after (:meth:`Rings._leave`; trio in the wrapper). Two threads
+    handing a lock back and forth across CPUs (and the GIL with it) cost more,
+    under load, than one answering for both. While trio waits to take it
+    back, ring threads queue rather than take it (``trio_wants``): trio would
+    lose every race to threads already running."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.on_release: Callable[[], None] = _nothing
+        self.trio_wants = False
+        self.drain: Callable[[], None] = _nothing  # answer the queue (holding the lock)
+        self.queued: Callable[[], bool] = lambda: False
 
-    def install(self) -> None:
-        """From the trio thread."""
+    def install(self, io_manager: Any) -> None:
+        """From the trio thread: it holds the lock from now on."""
         self._lock.acquire()
-        trio.lowlevel.add_instrument(self)
+        _LOCKS[id(io_manager)] = self
 
-    def before_io_wait(self, timeout: float) -> None:
-        try:
-            self.on_release()
-        except Exception:  # an instrument that raises is dropped by trio: never
-            log.exception("answering queued ring requests")
+    def uninstall(self, io_manager: Any) -> None:
+        _LOCKS.pop(id(io_manager), None)
+
+    def around_epoll(self, wait: Callable[[], Any]) -> Any:
+        """The trio thread's epoll call, with the lock let go for it."""
+        self._answer_queue()
         self._lock.release()
+        while self.queued() and self._lock.acquire(False):  # queued meanwhile
+            self._answer_queue()
+            self._lock.release()
+        try:
+            return wait()
+        finally:
+            self.trio_wants = True
+            self._lock.acquire()
+            self.trio_wants = False
+            self._answer_queue()
 
-    def after_io_wait(self, timeout: float) -> None:
-        self._lock.acquire()
+    def _answer_queue(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # in trio's own loop: never raise
+            log.exception("answering queued ring requests")
 
     def try_enter(self) -> bool:
-        return self._lock.acquire(False)
+        return not self.trio_wants and self._lock.acquire(False)
 
     def leave(self) -> None:
         self._lock.release()
+
+
+#: io manager (by id) -> the core lock its epoll calls let go of
+_LOCKS: dict[int, CoreLock] = {}
+
+
+def _wrap_get_events() -> bool:
+    """Wrap trio's epoll I/O manager's ``get_events`` once (class-wide; it
+    acts only for io managers with a core lock). False where trio has none."""
+    try:
+        from trio._core._io_epoll import EpollIOManager
+    except ImportError:
+        return False
+    original = EpollIOManager.get_events
+    if getattr(original, "_aifs_core_lock", False):
+        return True
+
+    def get_events(self: Any, timeout: float) -> Any:
+        lock = _LOCKS.get(id(self))
+        if lock is None:
+            return original(self, timeout)
+        return lock.around_epoll(lambda: original(self, timeout))
+
+    get_events._aifs_core_lock = True  # type: ignore[attr-defined]
+    EpollIOManager.get_events = get_events  # type: ignore[method-assign]
+    return True
 
 
 Finish = Callable[[Any, BaseException | None], None]
@@ -102,9 +154,20 @@ class Carrier:
         self.task: trio.lowlevel.Task | None = None
         self.coro: Coroutine[Any, Any, Any] | None = None
         self.finish: Finish | None = None
+        self.ended = False
 
     async def run(self) -> None:
-        await _Parked(self)
+        try:
+            await _Parked(self)
+        finally:
+            self.ended = True
+            if self in self.idle:
+                self.idle.remove(self)
+
+    def free(self) -> bool:
+        """Parked and waiting for nothing: may be lent."""
+        task = self.task
+        return not self.ended and task is not None and task._next_send_fn is None
 
 
 def _abort_idle(raise_cancel: Any) -> trio.lowlevel.Abort:
@@ -130,16 +193,21 @@ class _Parked:
             if coro is None or finish is None:
                 sent.unwrap()  # cancelled (the session ends): raises
                 continue
+            thrown: BaseException | None = None
             while True:  # the handler's own waits, one after the other
                 try:
-                    message = coro.send(sent)
+                    message = coro.send(sent) if thrown is None else coro.throw(thrown)
                 except StopIteration as stop:
                     finish(stop.value, None)
                     break
                 except BaseException as exc:  # noqa: BLE001 - it is the request's answer
                     finish(None, exc)
                     break
-                sent = yield message
+                thrown = None
+                try:
+                    sent = yield message
+                except BaseException as exc:  # noqa: BLE001 - trio throws in: the handler's
+                    thrown = exc
             carrier.coro = carrier.finish = None
             carrier.idle.append(carrier)
 
@@ -156,24 +224,39 @@ class Lender:
 
     def start(self, nursery: trio.Nursery, carriers: int = CARRIERS) -> None:
         """From the trio thread."""
+        if not _wrap_get_events():
+            raise OSError(errno.ENOSYS, "trio runs no epoll I/O manager here")
         self.runner = GLOBAL_RUN_CONTEXT.runner
         self.token = trio.lowlevel.current_trio_token()
-        self.lock.install()
+        self.lock.install(self.runner.io_manager)
         self.carriers = carriers
         for _ in range(carriers):
             nursery.start_soon(Carrier(self.idle).run)
+
+    def stop(self) -> None:
+        """From the trio thread, as its run ends."""
+        if self.runner is not None:
+            self.lock.uninstall(self.runner.io_manager)
 
     def run(self, coro: Coroutine[Any, Any, Any], finish: Finish) -> int:
         """Run ``coro`` in this (ring) thread, holding the core lock: DONE if it
         ended here (``finish`` called), WAITS if a carrier finishes it in trio
         (and calls ``finish`` there), NO_CARRIER if it was not started."""
-        carrier = self.idle.pop() if self.idle else None
+        carrier = None
+        while self.idle:
+            candidate = self.idle.pop()
+            if candidate.free():
+                carrier = candidate
+                break
         if carrier is None:  # every carrier busy: the caller has trio run it
             coro.close()
             return NO_CARRIER
+        task = carrier.task
+        assert task is not None
+        task._abort_func = None  # lent: a cancellation waits until it is given back
         context = GLOBAL_RUN_CONTEXT
         context.runner = self.runner
-        context.task = carrier.task
+        context.task = task
         scheduled = len(self.runner.runq)
         try:
             try:
@@ -181,22 +264,20 @@ class Lender:
                 while message is CancelShieldedCheckpoint:  # a checkpoint: go on at once
                     message = coro.send(outcome.Value(None))
             except StopIteration as stop:
-                self.idle.append(carrier)
+                self._give_back(carrier)
                 finish(stop.value, None)
                 return DONE
             except BaseException as exc:  # noqa: BLE001 - it is the request's answer
-                self.idle.append(carrier)
+                self._give_back(carrier)
                 finish(None, exc)
                 return DONE
             if type(message) is not WaitTaskRescheduled:
                 coro.close()
-                self.idle.append(carrier)
+                self._give_back(carrier)
                 finish(None, RuntimeError(f"unexpected trio trap {message!r}"))
                 return DONE
             # It waits, registered under the carrier's name: the carrier (blocked
             # as far as trio knows) takes the wait over, as trio would have.
-            task = carrier.task
-            assert task is not None
             carrier.coro, carrier.finish = coro, finish
             task._abort_func = message.abort_func
             task._attempt_delivery_of_any_pending_cancel()
@@ -206,6 +287,16 @@ class Lender:
             del context.task
             if len(self.runner.runq) != scheduled:
                 self._wake_trio()
+
+    def _give_back(self, carrier: Carrier) -> None:
+        """The handler ended here: the carrier is parked again (unless a
+        cancellation came for it meanwhile: then it ends)."""
+        task = carrier.task
+        assert task is not None
+        task._abort_func = _abort_idle
+        task._attempt_delivery_of_any_pending_cancel()
+        if carrier.free():
+            self.idle.append(carrier)
 
     def _wake_trio(self) -> None:
         self.call_soon(_nothing)
@@ -226,11 +317,26 @@ def _nothing() -> None:
 Answer = Callable[["RingThread", int, bytes], tuple[int, bytes] | None]
 
 
+def _possible_cpus() -> list[int]:
+    try:
+        text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
 class RingThread:
     """One CPU's ring and the thread, pinned to that CPU, that serves it."""
 
-    def __init__(self, devfd: int, cpu: int, payload: int, answer: Answer) -> None:
+    def __init__(self, devfd: int, cpu: int, payload: int, answer: Answer,
+                 failed: Callable[[RingThread], None]) -> None:
         self.devfd, self.cpu, self.payload, self.answer = devfd, cpu, payload, answer
+        self.on_failure = failed
+        self._closing = threading.Lock()  # complete() against the ring's close
         self.ring: uring.FuseRing | None = None
         self.ready = threading.Event()
         self.failed: BaseException | None = None
@@ -243,14 +349,16 @@ class RingThread:
     def complete(self, entry: int, error: int, body: bytes) -> None:
         """The answer to a request that waited (any thread)."""
         self.done.append((entry, error, body))
-        ring = self.ring
-        if ring is not None:
-            with contextlib.suppress(OSError):  # closed meanwhile: the session ended
-                ring.wake()
+        with self._closing:
+            if self.ring is not None:
+                self.ring.wake()
 
     def _run(self) -> None:
         try:
-            os.sched_setaffinity(0, {self.cpu})
+            try:
+                os.sched_setaffinity(0, {self.cpu})
+            except OSError as exc:  # not ours to run on (a cpuset): served from elsewhere
+                log.debug("ring of CPU %d not pinned: %s", self.cpu, exc)
             self.ring = uring.FuseRing(self.devfd, [self.cpu], ENTRIES_PER_QUEUE,
                                        self.payload)
         except BaseException as exc:  # noqa: BLE001 - told to the session
@@ -263,9 +371,11 @@ class RingThread:
                             self.done)
         except Exception:
             log.exception("FUSE ring of CPU %d failed", self.cpu)
+            self.on_failure(self)
         finally:
-            ring, self.ring = self.ring, None  # answers that come late go nowhere
-            ring.close()
+            with self._closing:
+                ring, self.ring = self.ring, None  # answers that come late go nowhere
+                ring.close()
 
 
 class Rings:
@@ -288,16 +398,34 @@ class Rings:
         self.queued: collections.deque[tuple[RingThread, int, bytes]] = collections.deque()
         self._nursery: trio.Nursery | None = None
 
-    def start(self, nursery: trio.Nursery) -> None:
-        """From the trio thread, after the INIT answer."""
+    def start(self, nursery: trio.Nursery) -> bool:
+        """From the trio thread, after the INIT answer; False if the rings
+        could not be set up (requests then stay on /dev/fuse)."""
         self._nursery = nursery
-        self.lender.lock.on_release = self._drain  # trio answers the queue before it waits
-        self.lender.start(nursery)
-        for cpu in range(os.cpu_count() or 1):  # every CPU's queue needs entries
-            thread = RingThread(self.session.fd, cpu, PAYLOAD, self._answer)
+        lock = self.lender.lock
+        lock.drain, lock.queued = self._drain, lambda: bool(self.queued)
+        try:
+            self.lender.start(nursery)
+        except OSError as exc:
+            log.warning("FUSE over io_uring not used: %s", exc)
+            return False
+        for cpu in _possible_cpus():  # the kernel has a queue per possible CPU
+            thread = RingThread(self.session.fd, cpu, PAYLOAD, self._answer, self._failed)
             thread.start()
             self.threads.append(thread)
+        failed = [t for t in self.threads if not t.ready.wait(10) or t.failed is not None]
+        if failed:
+            log.warning("FUSE over io_uring not used: the ring of CPU %d: %s", failed[0].cpu,
+                        failed[0].failed or "not set up in 10 s")
+            return False
         log.info("FUSE over io_uring: %d rings", len(self.threads))
+        return True
+
+    def _failed(self, ring: RingThread) -> None:
+        """A ring's thread ended on an error: its CPU's requests would wait for
+        good, so the session ends (the mount fails loudly instead)."""
+        log.error("the FUSE ring of CPU %d failed: ending the session", ring.cpu)
+        self.lender.call_soon(self.session.terminate)
 
     async def stop(self, grace: float) -> None:
         """As the session ends: later requests fail; those a carrier is
@@ -306,6 +434,8 @@ class Rings:
         with trio.move_on_after(grace):
             while len(self.lender.idle) < self.lender.carriers:
                 await trio.sleep(0.01)
+        self._drain()  # (answered EIO now)
+        self.lender.stop()
 
     def _answer(self, ring: RingThread, entry: int, request: bytes) -> tuple[int, bytes] | None:
         """Answer one request in ring thread ``ring`` (None: answered later)."""

@@ -252,10 +252,10 @@ class Session:
             self._reply(unique, 0, self._init(body))
             if self.rings is not None and self.rings.chosen:
                 assert self._outer is not None
-                self.rings.start(self._outer)
-                # /dev/fuse now brings FORGETs and INTERRUPTs only; a poll there
-                # would hold the core lock the rings' threads wait for
-                self.poll = 0.0
+                if self.rings.start(self._outer):
+                    # /dev/fuse now brings FORGETs and INTERRUPTs only; a poll there
+                    # would hold the core lock the rings' threads wait for
+                    self.poll = 0.0
             return
         if opcode == p.DESTROY:
             self._reply(unique, 0, b"")

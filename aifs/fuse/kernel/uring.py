@@ -41,6 +41,8 @@ ENABLE_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
 OVER_IO_URING = 1 << 41
 
 _SYS_SETUP, _SYS_ENTER = 425, 426  # x86_64 and arm64 alike (the unified table)
+# (The rings are read with plain loads: enough on x86's ordering, the only
+# machines this has run on; weaker orderings would want acquire loads.)
 _SETUP_SQE128 = 1 << 10
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP = 1
@@ -141,8 +143,8 @@ class FuseRing:
         for i, (qid, _, _, iov) in enumerate(self.entries):
             self._queue(i, _CMD_REGISTER, 0, qid, ctypes.addressof(iov))
         self._queue_wake_read()
-        _enter(self.fd, self._unsubmitted, 0)
-        self._unsubmitted = 0
+        self._unsubmitted -= _enter(self.fd, self._unsubmitted, 0)
+        self._served: set[int] = set()  # entries that got a request: registered
 
     def _slot(self) -> tuple[int, int]:
         tail = _U32.unpack_from(self.ring, self._sq_tail)[0]
@@ -183,8 +185,7 @@ class FuseRing:
             head = _U32.unpack_from(ring, self._cq_head)[0]
             tail = _U32.unpack_from(ring, self._cq_tail)[0]
             if head == tail:  # answers go in, and the thread waits, in one call
-                _enter(self.fd, self._unsubmitted, 1)
-                self._unsubmitted = 0
+                self._unsubmitted -= _enter(self.fd, self._unsubmitted, 1)
                 continue
             while head != tail:
                 entry, result, _ = _CQE.unpack_from(ring, self._cqes + (head & self._cq_mask) * 16)
@@ -198,16 +199,35 @@ class FuseRing:
                 if result < 0:
                     if result in (-errno.ENOTCONN, -errno.ECONNABORTED, -errno.ECANCELED):
                         return  # the session ended
-                    raise OSError(-result, f"FUSE io_uring entry: {os.strerror(-result)}")
+                    self._failed(entry, -result)
+                    continue
+                self._served.add(entry)
                 self._answer(entry, answer)
+
+    def _failed(self, entry: int, error: int) -> None:
+        """An entry's command failed: a commit (the kernel had dropped the
+        request) is followed by a new registration of the entry; a
+        registration that failed leaves the entry out."""
+        if entry not in self._served:
+            log.error("FUSE io_uring: registering an entry failed: %s", os.strerror(error))
+            return
+        log.warning("FUSE io_uring: an answer was refused (%s); entry registered again",
+                    os.strerror(error))
+        self._served.discard(entry)
+        qid, _, _, iov = self.entries[entry]
+        self._queue(entry, _CMD_REGISTER, 0, qid, ctypes.addressof(iov))
 
     def _answer(self, entry: int, answer: Answer) -> None:
         _, header, body, _ = self.entries[entry]
-        length = _U32.unpack_from(header)[0]
-        payload = _ENT_IN_OUT.unpack_from(header, _ENT)[2]
-        own = length - _IN_HEADER.size - payload  # the operation's header: first argument
-        result = answer(entry, header[:_IN_HEADER.size] + header[_OP_IN:_OP_IN + own]
-                        + body[:payload])
+        try:
+            length = _U32.unpack_from(header)[0]
+            payload = _ENT_IN_OUT.unpack_from(header, _ENT)[2]
+            own = length - _IN_HEADER.size - payload  # the operation's header: first argument
+            result = answer(entry, header[:_IN_HEADER.size] + header[_OP_IN:_OP_IN + own]
+                            + body[:payload])
+        except Exception:  # the entry must be answered, or its caller waits for good
+            log.exception("answering a FUSE request from an io_uring entry")
+            result = errno.EIO, b""
         if result is not None:
             self._commit(entry, *result)
 
