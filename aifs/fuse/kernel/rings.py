@@ -8,9 +8,9 @@ answers its requests itself, with the same handlers the trio session runs.
 
 How that is safe. The handlers and the core they call were written for one
 trio thread. :class:`CoreLock` keeps it that way: the trio thread holds it
-at all times but while it waits for I/O (a trio instrument), and a ring
-thread takes it to answer a request, so core code never runs in two threads
-at once, and trio's own state is at rest while a ring thread runs. The ring
+at all times but while it sleeps in epoll, and a ring thread takes it to
+answer a request, so core code never runs in two threads at once, and
+trio's own state is at rest while a ring thread runs. The ring
 thread runs the handler under the identity of a parked trio task (a
 :class:`Carrier`): trio calls that only schedule (starting a task, setting an
 event) work as in the trio thread, and trio is woken to run what they
@@ -19,9 +19,13 @@ has already registered its wait under the carrier's identity; the carrier,
 which trio sees as blocked, then finishes it in the trio thread like any task,
 and the answer goes back to the ring's thread, which commits it.
 
-Not over the rings: INTERRUPT (the kernel still sends it on ``/dev/fuse``,
-and an answer can only go back through the ring entry): a request answered
-on a ring runs to its end. FORGET comes on ``/dev/fuse`` as before.
+INTERRUPT and FORGET still come on ``/dev/fuse``; an interrupted request that
+waits is answered EINTR through its ring entry (:meth:`Rings.interrupt`).
+
+This leans on trio's internals (0.35: the thread's run context, a task's
+abort function, the epoll I/O manager): where they are not as expected the
+session stays on ``/dev/fuse`` (``tests/test_fuse_uring.py`` and CI's run
+of the conformance and program suites over the rings check them).
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import outcome
 import trio
-from trio._core._run import GLOBAL_RUN_CONTEXT  # the runner a thread acts for
-from trio._core._traps import CancelShieldedCheckpoint, WaitTaskRescheduled
+
+try:  # trio's internals (see above): without them, no rings
+    from trio._core._run import GLOBAL_RUN_CONTEXT  # the runner a thread acts for
+    from trio._core._traps import CancelShieldedCheckpoint, WaitTaskRescheduled
+except ImportError:  # pragma: no cover - another trio
+    GLOBAL_RUN_CONTEXT = CancelShieldedCheckpoint = WaitTaskRescheduled = None
 
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
@@ -224,8 +232,9 @@ class Lender:
 
     def start(self, nursery: trio.Nursery, carriers: int = CARRIERS) -> None:
         """From the trio thread."""
-        if not _wrap_get_events():
-            raise OSError(errno.ENOSYS, "trio runs no epoll I/O manager here")
+        if GLOBAL_RUN_CONTEXT is None or not hasattr(trio.lowlevel.Task, "_abort_func") \
+                or not _wrap_get_events():
+            raise OSError(errno.ENOSYS, f"trio {trio.__version__} lacks what the rings use")
         self.runner = GLOBAL_RUN_CONTEXT.runner
         self.token = trio.lowlevel.current_trio_token()
         self.lock.install(self.runner.io_manager)
