@@ -15,6 +15,7 @@ epoch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -177,7 +178,14 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         state: Any = {f"w{i}": torch.rand(size // 32, generator=gen) for i in range(8)}
     except ImportError:
         state = None
-    uring_was = _enable_uring() if "uring" in bindings else None
+    switch = contextlib.ExitStack()
+    if "uring" in bindings:
+        from aifs.fuse.kernel import uring
+        try:
+            switch.enter_context(uring.switched_on())
+        except OSError as exc:
+            raise ConfigError(f"aifs bench: FUSE over io_uring cannot be enabled here: "
+                              f"{exc}") from None
     work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
     mounts: dict[str, Mount] = {}
     times: dict[str, dict[str, list[float]]] = {}
@@ -230,26 +238,11 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         for mount in mounts.values():
             mount.stop()
         shutil.rmtree(work, ignore_errors=True)
-        if uring_was is not None:
-            URING_PARAMETER.write_text(uring_was)
+        switch.close()
     medians = {side: {key: statistics.median(values) for key, values in got.items()}
                for side, got in times.items()}
     return {"size": size, "files": files, "runs": runs, "seconds": medians,
             "daemon_cpu_s_per_gib_warm": {side: statistics.median(v) for side, v in cpu.items()}}
-
-
-URING_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
-
-
-def _enable_uring() -> str:
-    """Turn the fuse module's enable_uring on; returns what it was."""
-    try:
-        was = URING_PARAMETER.read_text().strip()
-        URING_PARAMETER.write_text("Y")
-    except OSError as exc:
-        raise ConfigError(f"aifs bench: FUSE over io_uring cannot be enabled here: {exc}") \
-            from None
-    return was
 
 
 def table(result: dict[str, Any]) -> str:

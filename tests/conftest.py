@@ -26,6 +26,7 @@ import pytest
 import xxhash
 
 from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
+from aifs.fuse.kernel import uring
 
 REPO = Path(__file__).resolve().parent.parent
 CEPH_SCRIPT = Path(os.environ.get("AIFS_CEPH_RGW_SCRIPT",
@@ -298,9 +299,6 @@ class Mount:
         return self.log.read_text(errors="replace")
 
 
-URING_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def uring_for_the_run() -> Iterator[None]:
     """``AIFS_FUSE_TRANSPORT=uring`` (a CI run on FUSE over io_uring): the fuse
@@ -310,30 +308,30 @@ def uring_for_the_run() -> Iterator[None]:
     if os.environ.get("AIFS_FUSE_TRANSPORT") != "uring":
         yield
         return
+    switch = uring.switched_on()
     try:
-        was = URING_PARAMETER.read_text().strip()
-        URING_PARAMETER.write_text("Y")
+        switch.__enter__()
     except OSError as exc:
         pytest.exit(f"AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be "
                     f"enabled here: {exc}", returncode=2)
     try:
         yield
     finally:
-        URING_PARAMETER.write_text(was)
+        switch.__exit__(None, None, None)
 
 
 @pytest.fixture
 def uring_enabled() -> Iterator[None]:
     """The fuse module's ``enable_uring`` on for the test (root), put back after."""
-    if not URING_PARAMETER.exists():
-        pytest.skip("this kernel has no FUSE over io_uring")
-    was = URING_PARAMETER.read_text().strip()
+    switch = uring.switched_on()
     try:
-        URING_PARAMETER.write_text("Y")
+        switch.__enter__()
     except OSError as exc:
         pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
-    yield
-    URING_PARAMETER.write_text(was)
+    try:
+        yield
+    finally:
+        switch.__exit__(None, None, None)
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))

@@ -26,6 +26,7 @@ daemon that works per request differently from one that answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -41,21 +42,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from aifs.fuse.kernel import mount as kmount  # noqa: E402
+from aifs.fuse.kernel import protocol as p  # noqa: E402
 from aifs.fuse.kernel import uring  # noqa: E402
 
-IN_HEADER = struct.Struct("<IIQQIIIHH")
-OUT_HEADER = struct.Struct("<IiQ")
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
-INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")
 MAX_WRITE = 128 * 1024
-LOOKUP, FORGET, GETATTR, OPEN, STATFS, RELEASE = 1, 2, 3, 14, 17, 18
-FLUSH, INIT, OPENDIR, RELEASEDIR, INTERRUPT, IOCTL, BATCH_FORGET = 25, 26, 27, 29, 36, 39, 42
 TIMEOUT = 3600  # entries and attributes never expire in a run
 
 
 def _attr(ino: int) -> bytes:
     mode, nlink, size = (0o40755, 2, 0) if ino == 1 else (0o100644, 1, 5)
-    return ATTR.pack(ino, size, 8, 0, 0, 0, 0, 0, 0, mode, nlink, 0, 0, 0, 4096, 0)
+    return p.ATTR.pack(ino, size, 8, 0, 0, 0, 0, 0, 0, mode, nlink, 0, 0, 0, 4096, 0)
 
 
 SERVED = {"dev": 0, "uring": 0}  # requests answered, by transport (told at exit)
@@ -64,26 +60,26 @@ WORK = 0.0  # seconds of CPU each answer takes besides (--work-us): a real daemo
 
 def handle(request: bytes, transport: str = "uring") -> tuple[int, bytes]:
     """The do-nothing filesystem: (errno, reply body) for one request."""
-    length, opcode, _, nodeid = IN_HEADER.unpack_from(request)[:4]
+    length, opcode, _, nodeid = p.IN_HEADER.unpack_from(request)[:4]
     SERVED[transport] += 1
     if WORK:
         until = time.perf_counter() + WORK
         while time.perf_counter() < until:
             pass
-    if opcode == LOOKUP:
-        if request[IN_HEADER.size:length].rstrip(b"\0") != b"x":
+    if opcode == p.LOOKUP:
+        if request[p.IN_HEADER.size:length].rstrip(b"\0") != b"x":
             return errno.ENOENT, b""
-        return 0, struct.pack("<QQQQII", 2, 0, TIMEOUT, TIMEOUT, 0, 0) + _attr(2)
-    if opcode == GETATTR:
-        return 0, struct.pack("<QII", TIMEOUT, 0, 0) + _attr(nodeid)
-    if opcode in (OPEN, OPENDIR):
-        return 0, struct.pack("<QIi", 0, 0, 0)
-    if opcode in (RELEASE, RELEASEDIR, FLUSH):
+        return 0, p.ENTRY_HEAD.pack(2, 0, TIMEOUT, TIMEOUT, 0, 0) + _attr(2)
+    if opcode == p.GETATTR:
+        return 0, p.ATTR_OUT_HEAD.pack(TIMEOUT, 0, 0) + _attr(nodeid)
+    if opcode in (p.OPEN, p.OPENDIR):
+        return 0, p.OPEN_OUT.pack(0, 0, 0)
+    if opcode in (p.RELEASE, p.RELEASEDIR, p.FLUSH):
         return 0, b""
-    if opcode == IOCTL:
+    if opcode == p.IOCTL:
         return errno.ENOTTY, b""
-    if opcode == STATFS:
-        return 0, struct.pack("<QQQQQIIII24x", 0, 0, 0, 0, 0, 4096, 255, 4096, 0)
+    if opcode == p.STATFS:
+        return 0, p.STATFS_OUT.pack(0, 0, 0, 0, 0, 4096, 255, 4096, 0)
     return errno.ENOSYS, b""
 
 
@@ -100,16 +96,16 @@ def _serve_dev(fd: int, transport: str, until_init: bool = False) -> None:
                 continue
             return  # ENODEV: unmounted
         request = bytes(buffer[:n])
-        opcode, unique = IN_HEADER.unpack_from(request)[1:3]
-        if opcode in (FORGET, BATCH_FORGET, INTERRUPT):
+        opcode, unique = p.IN_HEADER.unpack_from(request)[1:3]
+        if opcode in (p.FORGET, p.BATCH_FORGET, p.INTERRUPT):
             continue
-        if opcode == INIT:
-            major, minor, _, flags = struct.unpack_from("<4I", request, IN_HEADER.size)
-            flags2 = struct.unpack_from("<I", request, IN_HEADER.size + 16)[0]
-            want2 = (uring.OVER_IO_URING >> 32) if transport == "uring" else 0
-            reply = INIT_OUT.pack(7, min(minor, 45), 1 << 20, flags & (1 << 30 | 1 << 22), 12,
+        if opcode == p.INIT:
+            major, minor, _, flags = p.INIT_IN.unpack_from(request, p.IN_HEADER.size)
+            flags2 = struct.unpack_from("<I", request, p.IN_HEADER.size + 16)[0]
+            want2 = (p.OVER_IO_URING >> 32) if transport == "uring" else 0
+            reply = p.INIT_OUT.pack(7, min(minor, 45), 1 << 20, flags & (1 << 30 | 1 << 22), 12,
                                   9, MAX_WRITE, 1, MAX_WRITE // 4096, 0, flags2 & want2, 0)
-            os.writev(fd, [OUT_HEADER.pack(16 + len(reply), 0, unique), reply])
+            os.writev(fd, [p.OUT_HEADER.pack(16 + len(reply), 0, unique), reply])
             if transport == "uring" and not flags2 & want2:
                 raise SystemExit("this kernel offers no FUSE over io_uring")
             if until_init:
@@ -117,7 +113,7 @@ def _serve_dev(fd: int, transport: str, until_init: bool = False) -> None:
             continue
         error, reply = handle(request, "dev")
         reply = b"" if error else reply
-        os.writev(fd, [OUT_HEADER.pack(16 + len(reply), -error, unique), reply])
+        os.writev(fd, [p.OUT_HEADER.pack(16 + len(reply), -error, unique), reply])
 
 
 def serve(mountpoint: str, transport: str) -> None:
@@ -209,17 +205,17 @@ def main() -> None:
         WORK = args.work_us / 1e6
         serve(args.serve, args.transport)
         return
-    was = uring.ENABLE_PARAMETER.read_text().strip() if uring.ENABLE_PARAMETER.exists() else ""
     transports = ["dev"]
-    if uring.enabled() or args.enable_uring:
+    switch = contextlib.ExitStack()
+    if args.enable_uring and not uring.enabled():
+        switch.enter_context(uring.switched_on())
+    if uring.enabled():
         transports.append("uring")
     else:
         print("uring skipped: fuse.enable_uring is off (pass --enable-uring as root)",
               file=sys.stderr)
     results: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
-    try:
-        if args.enable_uring and not uring.enabled():
-            uring.ENABLE_PARAMETER.write_text("Y")
+    with switch:
         for run in range(args.runs):
             for transport in transports if run % 2 == 0 else transports[::-1]:
                 figures = one_run(transport, args.requests, args.files, args.work_us)
@@ -227,9 +223,6 @@ def main() -> None:
                 print(f"run {run + 1} {transport:5}  ioctl {figures['ioctl_us']:5.1f} us  "
                       f"{args.files} open+fstat+close {figures['opens_s']:.3f} s",
                       file=sys.stderr)
-    finally:
-        if was and uring.ENABLE_PARAMETER.read_text().strip() != was:
-            uring.ENABLE_PARAMETER.write_text(was)
     table = {t: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
              for t, rs in results.items()}
     if args.json:

@@ -41,6 +41,11 @@ class Request:
 Handler = Callable[[Request, memoryview], Awaitable[Reply]]
 
 
+def reply_parts(body: Reply) -> list[bytes | memoryview]:
+    """A handler's reply as the pieces that follow the reply's header."""
+    return [] if body is None else body if isinstance(body, list) else [body]
+
+
 class Operations:
     """One method per opcode; each returns the reply's body (an errno leaves as
     :class:`~aifs.errors.FsError`)."""

@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - another trio
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel import uring
-from aifs.fuse.kernel.operations import Reply, Request
+from aifs.fuse.kernel.operations import Reply, Request, reply_parts
 
 if TYPE_CHECKING:
     from aifs.fuse.kernel.session import Session
@@ -342,13 +342,12 @@ class RingThread:
     """One CPU's ring and the thread, pinned to that CPU, that serves it."""
 
     def __init__(self, devfd: int, cpu: int, payload: int, answer: Answer,
+                 set_up: Callable[[RingThread, BaseException | None], None],
                  failed: Callable[[RingThread], None]) -> None:
         self.devfd, self.cpu, self.payload, self.answer = devfd, cpu, payload, answer
-        self.on_failure = failed
+        self.on_set_up, self.on_failure = set_up, failed
         self._closing = threading.Lock()  # complete() against the ring's close
         self.ring: uring.FuseRing | None = None
-        self.ready = threading.Event()
-        self.failed: BaseException | None = None
         self.done: collections.deque[tuple[int, int, bytes]] = collections.deque()
         self.thread = threading.Thread(target=self._run, name=f"aifs-ring-{cpu}", daemon=True)
 
@@ -371,10 +370,9 @@ class RingThread:
             self.ring = uring.FuseRing(self.devfd, [self.cpu], ENTRIES_PER_QUEUE,
                                        self.payload)
         except BaseException as exc:  # noqa: BLE001 - told to the session
-            self.failed = exc
-            self.ready.set()
+            self.on_set_up(self, exc)
             return
-        self.ready.set()
+        self.on_set_up(self, None)
         try:
             self.ring.serve(lambda entry, request: self.answer(self, entry, request),
                             self.done)
@@ -406,10 +404,13 @@ class Rings:
         # answers them (ring, entry, request)
         self.queued: collections.deque[tuple[RingThread, int, bytes]] = collections.deque()
         self._nursery: trio.Nursery | None = None
+        self._up: Callable[[], None] = _nothing
+        self._to_set_up = 0  # rings still to be registered (-1: one failed)
 
-    def start(self, nursery: trio.Nursery) -> bool:
-        """From the trio thread, after the INIT answer; False if the rings
-        could not be set up (requests then stay on /dev/fuse)."""
+    def start(self, nursery: trio.Nursery, up: Callable[[], None]) -> None:
+        """From the trio thread, after the INIT answer; ``up`` is called (in
+        the trio thread) once every ring is set up. Where one cannot be, the
+        kernel keeps sending requests on /dev/fuse."""
         self._nursery = nursery
         lock = self.lender.lock
         lock.drain, lock.queued = self._drain, lambda: bool(self.queued)
@@ -417,18 +418,29 @@ class Rings:
             self.lender.start(nursery)
         except OSError as exc:
             log.warning("FUSE over io_uring not used: %s", exc)
-            return False
-        for cpu in _possible_cpus():  # the kernel has a queue per possible CPU
-            thread = RingThread(self.session.fd, cpu, PAYLOAD, self._answer, self._failed)
+            return
+        cpus = _possible_cpus()  # the kernel has a queue per possible CPU
+        self._up, self._to_set_up = up, len(cpus)
+        for cpu in cpus:
+            thread = RingThread(self.session.fd, cpu, PAYLOAD, self._answer,
+                                self._set_up, self._failed)
             thread.start()
             self.threads.append(thread)
-        failed = [t for t in self.threads if not t.ready.wait(10) or t.failed is not None]
-        if failed:
-            log.warning("FUSE over io_uring not used: the ring of CPU %d: %s", failed[0].cpu,
-                        failed[0].failed or "not set up in 10 s")
-            return False
-        log.info("FUSE over io_uring: %d rings", len(self.threads))
-        return True
+
+    def _set_up(self, ring: RingThread, failure: BaseException | None) -> None:
+        """(A ring's thread) its ring is registered, or could not be."""
+        self.lender.call_soon(self._ring_set_up, ring, failure)
+
+    def _ring_set_up(self, ring: RingThread, failure: BaseException | None) -> None:
+        if failure is not None:
+            log.warning("FUSE over io_uring not used: the ring of CPU %d: %s", ring.cpu,
+                        failure)
+            self._to_set_up = -1
+        elif self._to_set_up > 0:
+            self._to_set_up -= 1
+            if not self._to_set_up:
+                log.info("FUSE over io_uring: %d rings", len(self.threads))
+                self._up()
 
     def _failed(self, ring: RingThread) -> None:
         """A ring's thread ended on an error: its CPU's requests would wait for
@@ -518,9 +530,8 @@ class Rings:
                 answer = result
             elif opcode not in self.interruptible or self.waiting.pop(unique, None):
                 ring.complete(entry, *result)
-            elif opcode == p.LOOKUP and not result[0] and (node := int.from_bytes(
-                    result[1][:8], "little")):  # answered EINTR already: its count goes back
-                session._forget([(node, 1)])
+            elif opcode == p.LOOKUP and not result[0]:  # answered EINTR already
+                session.give_back_lookup(result[1])
 
         session.counts[opcode] += 1
         self.answered += 1
@@ -567,8 +578,4 @@ def _encoded(opcode: int, value: Reply, exc: BaseException | None) -> tuple[int,
         if not isinstance(exc, Exception):
             return errno.EIO, b""
         return errno_for(exc, p.NAMES.get(opcode, str(opcode)).lower()), b""
-    if value is None:
-        return 0, b""
-    if isinstance(value, list):
-        return 0, b"".join(value)
-    return 0, bytes(value)
+    return 0, b"".join(reply_parts(value))

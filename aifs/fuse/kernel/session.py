@@ -43,7 +43,7 @@ import trio
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel import uring
-from aifs.fuse.kernel.operations import Operations, Reply, Request
+from aifs.fuse.kernel.operations import Operations, Reply, Request, reply_parts
 from aifs.fuse.kernel.passthrough import Passthrough
 from aifs.fuse.kernel.rings import Rings
 
@@ -119,6 +119,11 @@ class Session:
         if self.rings is not None and self.rings.threads:
             served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
         return served
+
+    def _rings_up(self) -> None:
+        """/dev/fuse now brings FORGETs and INTERRUPTs only: a poll there would
+        hold the core lock the rings' threads wait for."""
+        self.poll = 0.0
 
     def terminate(self) -> None:
         self.done.set()
@@ -252,10 +257,7 @@ class Session:
             self._reply(unique, 0, self._init(body))
             if self.rings is not None and self.rings.chosen:
                 assert self._outer is not None
-                if self.rings.start(self._outer):
-                    # /dev/fuse now brings FORGETs and INTERRUPTs only; a poll there
-                    # would hold the core lock the rings' threads wait for
-                    self.poll = 0.0
+                self.rings.start(self._outer, self._rings_up)
             return
         if opcode == p.DESTROY:
             self._reply(unique, 0, b"")
@@ -288,10 +290,14 @@ class Session:
         already. ``lookup``: a LOOKUP's reply, whose count goes back if dropped."""
         if self.pending.pop(unique, None) != INTERRUPTED:
             return True
-        if isinstance(lookup, bytes | bytearray) and (nodeid := int.from_bytes(lookup[:8],
-                                                                              "little")):
-            self._forget([(nodeid, 1)])
+        self.give_back_lookup(lookup)
         return False
+
+    def give_back_lookup(self, reply: Reply | None) -> None:
+        """A LOOKUP answered EINTR already: the count its late reply took goes back."""
+        if isinstance(reply, bytes | bytearray) and (nodeid := int.from_bytes(reply[:8],
+                                                                             "little")):
+            self._forget([(nodeid, 1)])
 
     def _forget(self, items: list[tuple[int, int]]) -> None:
         try:
@@ -300,7 +306,7 @@ class Session:
             log.exception("forget failed")
 
     def _reply(self, unique: int, error: int, body: Reply) -> None:
-        parts = [] if error or body is None else body if isinstance(body, list) else [body]
+        parts = [] if error else reply_parts(body)
         if len(parts) > MAX_PARTS:  # a big directory page: writev takes 1,024 pieces at most
             parts = [b"".join(parts)]
         length = p.OUT_HEADER.size + sum(len(part) for part in parts)

@@ -31,14 +31,16 @@ import mmap
 import os
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from aifs.fuse.kernel.protocol import IN_HEADER as _IN_HEADER
+from aifs.fuse.kernel.protocol import OUT_HEADER as _OUT_HEADER
 
 log = logging.getLogger(__name__)
 
 ENABLE_PARAMETER = Path("/sys/module/fuse/parameters/enable_uring")
-#: INIT flag (bit 41: bit 9 of flags2)
-OVER_IO_URING = 1 << 41
 
 _SYS_SETUP, _SYS_ENTER = 425, 426  # x86_64 and arm64 alike (the unified table)
 # (The rings are read with plain loads: enough on x86's ordering, the only
@@ -58,8 +60,6 @@ _CQE = struct.Struct("<QiI")  # user_data res flags
 _SQE_HEAD = struct.Struct("<BBHiIIQIIQ")
 _CMD_REQ = struct.Struct("<QQH")  # fuse_uring_cmd_req: flags commit_id qid (at byte 48 of the SQE)
 _U32 = struct.Struct("<I")
-_IN_HEADER = struct.Struct("<IIQQIIIHH")
-_OUT_HEADER = struct.Struct("<IiQ")
 _ENT_IN_OUT = struct.Struct("<QQI")  # flags commit_id payload_sz (at byte 256 of the header)
 HEADER_SIZE = 288  # struct fuse_uring_req_header
 _OP_IN, _ENT = 128, 256
@@ -80,6 +80,18 @@ def enabled() -> bool:
         return ENABLE_PARAMETER.read_text().strip() in ("Y", "1")
     except OSError:
         return False
+
+
+@contextmanager
+def switched_on() -> Iterator[None]:
+    """``fuse.enable_uring`` on for a while (root), then as it was (raises
+    OSError where it cannot be)."""
+    was = ENABLE_PARAMETER.read_text().strip()
+    ENABLE_PARAMETER.write_text("Y")
+    try:
+        yield
+    finally:
+        ENABLE_PARAMETER.write_text(was)
 
 
 def _enter(ring_fd: int, submit: int, wait: int) -> int:
