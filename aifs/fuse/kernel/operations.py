@@ -252,24 +252,38 @@ class Operations:
         fh, cookie, size, *_ = p.READ_IN.unpack_from(body)
         out: list[bytes] = []
         room = size
+        attributes, timeout, remember = self.attributes, self.timeout, self.fs.remember
+        pack, blksize, head = p.DIRENTPLUS_HEAD.pack, self.blksize, p.ENTRY_HEAD.size + p.ATTR.size
         while True:
             batch = await self.fs.readdir(fh, cookie)
             if not batch:
                 return out
             for next_cookie, name, inode in batch:
-                a = self.attributes(inode)
-                record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
-                if plus:
-                    dot = name in (b".", b"..")
-                    # the kernel takes no reference to . and .., nor to nodeid 0
-                    record = (bytes(p.ENTRY_HEAD.size + p.ATTR.size) if dot
-                              else self.entry(inode, a)) + record
+                dot = name == b"." or name == b".."
+                if dot:
+                    record = p.dirent(inode.ino, next_cookie, name, DT_DIR)
+                    if plus:  # the kernel takes no reference to . and .., nor to nodeid 0
+                        record = bytes(head) + record
+                elif plus:  # one pack for the entry, its attributes and the dirent
+                    a = attributes(inode)
+                    seconds, nanos = timeout(inode)
+                    record = pack(
+                        a.ino, 0, seconds, seconds, nanos, nanos,
+                        a.ino, a.size, (a.size + 511) // 512, a.atime_ns // 10**9,
+                        a.mtime_ns // 10**9, a.ctime_ns // 10**9, a.atime_ns % 10**9,
+                        a.mtime_ns % 10**9, a.ctime_ns % 10**9, a.mode, a.nlink,
+                        a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev, blksize, 0,
+                        a.ino, next_cookie, len(name), stat.S_IFMT(a.mode) >> 12) + name
+                    record += _PAD[len(record) % 8]
+                else:
+                    a = attributes(inode)
+                    record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
                 if len(record) > room:
                     return out
                 out.append(record)
                 room -= len(record)
                 if plus and not dot:
-                    self.fs.remember(inode.ino)
+                    remember(inode.ino)
                 cookie = next_cookie
 
     async def releasedir(self, req: Request, body: memoryview) -> Reply:
@@ -319,6 +333,10 @@ class Operations:
 
     async def ioctl(self, req: Request, body: memoryview) -> Reply:
         raise FsError(errno.ENOTTY)  # isatty() of every Python open() asks: no terminal
+
+
+DT_DIR = stat.S_IFDIR >> 12
+_PAD = (b"", b"\0" * 7, b"\0" * 6, b"\0" * 5, b"\0" * 4, b"\0" * 3, b"\0" * 2, b"\0")
 
 
 def _sized(value: bytes, size: int) -> bytes:

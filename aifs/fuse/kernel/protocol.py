@@ -100,6 +100,9 @@ FORGET_IN = struct.Struct("<Q")
 BATCH_FORGET_IN = struct.Struct("<II")
 FORGET_ONE = struct.Struct("<QQ")
 DIRENT_HEAD = struct.Struct("<QQII")  # ino off namelen type
+#: a ``fuse_direntplus`` up to the name: ENTRY_HEAD, ATTR, DIRENT_HEAD in one
+DIRENTPLUS_HEAD = struct.Struct(
+    "<" + "".join(part.format[1:] for part in (ENTRY_HEAD, ATTR, DIRENT_HEAD)))
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding
 
 
