@@ -121,8 +121,8 @@ class Inode:
         inode.__dict__.update(known.__dict__)
         # containers of its own, empty ones too: a caller that adds a link or
         # an xattr must not change what the same bytes decode to next time
-        inode.xattrs = dict(known.xattrs)
-        inode.links = [list(link) for link in known.links]
+        inode.xattrs = dict(known.xattrs) if known.xattrs else {}
+        inode.links = [list(link) for link in known.links] if known.links else []
         return inode
 
     @classmethod

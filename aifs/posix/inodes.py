@@ -23,6 +23,7 @@ from aifs.cache.files import LocalFiles
 from aifs.errors import FsError
 from aifs.meta.objattrs import st_mode
 from aifs.meta.store import ROOT_INO, Inode, MetaStore
+from aifs.posix.lookups import LookupCounts
 from aifs.read.readahead import Readahead
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class Inodes:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.counters = Counters()
-        self.lookups: dict[int, int] = {}
+        self.lookups = LookupCounts()  # ino -> references the kernel holds
         self.files: dict[int, OpenFile] = {}  # fh -> open file
         self.dirs: dict[int, int] = {}  # fh -> directory ino
         self.handles = itertools.count(1)
@@ -176,16 +177,12 @@ class Inodes:
     # -- kernel references and handles ------------------------------------------
     def remember(self, ino: int) -> None:
         """The kernel got one more reference to ``ino``."""
-        self.lookups[ino] = self.lookups.get(ino, 0) + 1
+        self.lookups.add(ino)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, count in items:
-            left = self.lookups.get(ino, 0) - count
-            if left > 0:
-                self.lookups[ino] = left
-                continue
-            self.lookups.pop(ino, None)
-            self.free_if_unused(ino)
+            if not self.lookups.drop(ino, count):
+                self.free_if_unused(ino)
 
     def is_open(self, ino: int) -> bool:
         return self.opens.get(ino, 0) > 0
