@@ -349,3 +349,62 @@ def test_a_decoded_inode_changed_in_place_leaves_the_next_decode_alone():
     first.xattrs["user.a"] = "eA=="
     again = Inode.decode(raw)
     assert again.links == [] and again.xattrs == {}
+
+
+def _dump(meta: MetaStore) -> dict[bytes, list[tuple[bytes, bytes]]]:
+    """Every record of every database of the store."""
+    out = {}
+    with meta.env.begin() as txn:
+        for name, _ in txn.cursor():
+            db = meta.env.open_db(bytes(name), txn=txn)
+            out[bytes(name)] = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+    return out
+
+
+def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_path,
+                                                                          monkeypatch):
+    """A directory's first listing writes its records in bulk; the store ends
+    byte for byte as the general path leaves it: a tombstoned key stays
+    hidden unless packed, a key that has an inode already (a name moved here)
+    keeps it, a packed file's fields are kept, ``names`` gets every name."""
+    from aifs.meta import listing
+
+    def build(path, bulk):
+        if not bulk:
+            monkeypatch.setattr(listing.ListingMixin, "_link_new",
+                                lambda self, txn, parent, listed, counters, names: list(listed))
+        meta = MetaStore(path)
+        meta.apply_listing(ROOT_INO, [Listed("src", DIR, "src/"), Listed("dst", DIR, "dst/")],
+                           now=5)
+        src, dst = meta.lookup(ROOT_INO, b"src"), meta.lookup(ROOT_INO, b"dst")
+        meta.apply_listing(src.ino, _files("moved", "gone", prefix="src/"), now=5)
+        meta.remove(src.ino, b"gone")  # tombstoned: dst/gone's own key is not
+        with meta.env.begin(write=True) as txn:  # a name moved here keeps its inode
+            moved = meta.lookup(src.ino, b"moved")
+            txn.put(b"dst/moved", moved.ino.to_bytes(8, "big"), db=meta.objkeys)
+        with meta.env.begin(write=True) as txn:
+            meta._tomb(txn, "dst/dead", 99)
+            meta._tomb(txn, "dst/dead-but-packed", 98)
+        names: list[bytes] = []
+        listed = _files("a", "b", "moved", "dead", "gone", prefix="dst/") + [
+            Listed("dead-but-packed", FILE, "dst/dead-but-packed", 5, "e", 2.0,
+                   {"pack": "p1", "pack_offset": 7, "attrs_known": True, "mode": 0o600}),
+            Listed("sub", DIR, "dst/sub/"), Listed("ünï", FILE, "dst/ünï", 3, "e-u", 3.0)]
+        result = meta.apply_listing(dst.ino, listed, now=7, started=6, names=names)
+        dump = _dump(meta)
+        meta.close()
+        monkeypatch.undo()
+        return result, names, dump
+
+    bulk = build(tmp_path / "bulk", True)
+    general = build(tmp_path / "general", False)
+    assert bulk[0] == general[0] and sorted(bulk[1]) == sorted(general[1])
+    assert len(bulk[1]) == 7  # dead is hidden; a, b, moved, gone, the packed one, sub, ünï
+    assert bulk[2].keys() == general[2].keys()
+    for db in bulk[2]:
+        if db not in (b"cookie", b"dentry"):
+            assert bulk[2][db] == general[2][db], db
+    # (cookies give the order of a directory's entries: the moved name comes last in bulk)
+    assert [(k, v[:8]) for k, v in bulk[2][b"dentry"]] == \
+        [(k, v[:8]) for k, v in general[2][b"dentry"]]
+    assert sorted(v for _, v in bulk[2][b"cookie"]) == sorted(v for _, v in general[2][b"cookie"])

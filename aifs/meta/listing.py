@@ -41,6 +41,8 @@ class ListingMixin(StoreBase):
         with self.env.begin(write=True) as txn:
             counters = _Counters(txn, self.sys)
             existing = dict(self._children(parent, txn))
+            if not existing:  # a first listing: every entry is new
+                listed = self._link_new(txn, parent, listed, counters, names)
             for entry in listed:
                 name = key_bytes(entry.name)
                 if txn.get(key_bytes(entry.key), db=self.tombs) is not None \
@@ -96,6 +98,53 @@ class ListingMixin(StoreBase):
                 dir_inode.listed_at = time.time() if now is None else now
                 txn.put(prefix, dir_inode.encode(), db=self.inodes)
         return removed, replaced
+
+    def _link_new(self, txn: lmdb.Transaction, parent: int, listed: Iterable[Listed],
+                  counters: _Counters, names: list[bytes] | None) -> list[Listed]:
+        """Link the entries of a directory with no children yet, their records
+        written in bulk (a directory's first listing: a walk of a big tree
+        does this for every file, and one ``putmulti`` per database costs a
+        third of a ``put`` per record); return those left to the general path:
+        a key with an inode already (a hard link's name, a moved name), a
+        name listed twice."""
+        left: list[Listed] = []
+        seen: set[bytes] = set()
+        tombs = txn.stat(self.tombs)["entries"] > 0
+        prefix = u64(parent)
+        next_ino = counters.next(SYS_NEXT_INO, 2)
+        next_cookie = counters.next(SYS_NEXT_COOKIE, 1)
+        inodes, dentries, cookies, objkeys = [], [], [], []
+        get, pack, objkeys_db = txn.get, U64X2.pack, self.objkeys
+        for entry in listed:
+            objkey = key_bytes(entry.key)
+            if tombs and get(objkey, db=self.tombs) is not None \
+                    and not (entry.fields or {}).get("pack"):
+                continue  # deleted here; a packed file's own record says if it lives
+            name = key_bytes(entry.name)
+            if get(objkey, db=objkeys_db) is not None or name in seen:
+                left.append(entry)
+                continue
+            seen.add(name)
+            ino, cookie = next_ino, next_cookie
+            next_ino += 1
+            next_cookie += 1
+            inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
+                          int(entry.mtime * 1e9))
+            if entry.fields:
+                inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
+            raw_ino = u64(ino)
+            inodes.append((raw_ino, inode.encode_kept()))
+            dentries.append((prefix + name, pack(ino, cookie)))
+            cookies.append((prefix + u64(cookie), name))
+            objkeys.append((objkey, raw_ino))
+            if names is not None:
+                names.append(name)
+        for db, items in ((self.inodes, inodes), (self.dentries, dentries),
+                          (self.cookies, cookies), (objkeys_db, objkeys)):
+            txn.cursor(db=db).putmulti(items)
+        counters.values[SYS_NEXT_INO] = next_ino
+        counters.values[SYS_NEXT_COOKIE] = next_cookie
+        return left
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed,
               counters: _Counters) -> int:
