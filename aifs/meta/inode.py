@@ -89,11 +89,13 @@ class Inode:
         their defaults (most are not, for a listed object): no field names for
         the common ones, ``decode`` gives all back."""
         values = self.__dict__
-        if _rest_values(values) == _REST_DEFAULTS \
-                and self.kind in _KIND_CODES:
+        if _rest_values(values) == _REST_DEFAULTS and self.kind in _KIND_CODES \
+                and type(self.ino) is type(self.parent) is type(self.size) \
+                is type(self.mtime_ns) is int and type(self.key) is type(self.etag) is str:
             # Most records (every listed object) are the head alone: formatted
             # here, with the JSON encoder's own string escaping, 6x faster than
-            # encoding a list (tests/test_meta.py checks both agree).
+            # encoding a list (tests/test_meta.py checks both agree); a bool,
+            # float or None where an int belongs goes the general way.
             return (f"[{self.ino:d},{_KIND_CODES[self.kind]},{_json_string(self.key)},"
                     f"{self.parent:d},{self.size:d},{_json_string(_etag_out(self.etag))},"
                     f"{self.mtime_ns:d}]").encode()

@@ -106,9 +106,10 @@ class ListingMixin(StoreBase):
         does this for every file, and one ``putmulti`` per database costs a
         third of a ``put`` per record); return those left to the general path:
         a key with an inode already (a hard link's name, a moved name), a
-        name listed twice."""
+        name or key listed twice."""
         left: list[Listed] = []
         seen: set[bytes] = set()
+        seen_keys: set[bytes] = set()
         tombs = txn.stat(self.tombs)["entries"] > 0
         prefix = u64(parent)
         next_ino = counters.next(SYS_NEXT_INO, 2)
@@ -121,10 +122,12 @@ class ListingMixin(StoreBase):
                     and not (entry.fields or {}).get("pack"):
                 continue  # deleted here; a packed file's own record says if it lives
             name = key_bytes(entry.name)
-            if get(objkey, db=objkeys_db) is not None or name in seen:
-                left.append(entry)
+            if name in seen or objkey in seen_keys or get(objkey, db=objkeys_db) is not None:
+                left.append(entry)  # (in order: a name listed again goes there too)
+                seen.add(name)
                 continue
             seen.add(name)
+            seen_keys.add(objkey)
             ino, cookie = next_ino, next_cookie
             next_ino += 1
             next_cookie += 1
@@ -142,8 +145,11 @@ class ListingMixin(StoreBase):
         for db, items in ((self.inodes, inodes), (self.dentries, dentries),
                           (self.cookies, cookies), (objkeys_db, objkeys)):
             txn.cursor(db=db).putmulti(items)
-        counters.values[SYS_NEXT_INO] = next_ino
-        counters.values[SYS_NEXT_COOKIE] = next_cookie
+        if inodes:
+            counters.values[SYS_NEXT_INO] = next_ino
+            counters.values[SYS_NEXT_COOKIE] = next_cookie
+        else:  # nothing taken: the counters are not written
+            del counters.values[SYS_NEXT_INO], counters.values[SYS_NEXT_COOKIE]
         return left
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed,
