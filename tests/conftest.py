@@ -308,30 +308,24 @@ def uring_for_the_run() -> Iterator[None]:
     if os.environ.get("AIFS_FUSE_TRANSPORT") != "uring":
         yield
         return
-    switch = uring.switched_on()
-    try:
-        switch.__enter__()
-    except OSError as exc:
-        pytest.exit(f"AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be "
-                    f"enabled here: {exc}", returncode=2)
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(uring.switched_on())
+        except OSError as exc:
+            pytest.exit(f"AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be "
+                        f"enabled here: {exc}", returncode=2)
         yield
-    finally:
-        switch.__exit__(None, None, None)
 
 
 @pytest.fixture
 def uring_enabled() -> Iterator[None]:
     """The fuse module's ``enable_uring`` on for the test (root), put back after."""
-    switch = uring.switched_on()
-    try:
-        switch.__enter__()
-    except OSError as exc:
-        pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(uring.switched_on())
+        except OSError as exc:
+            pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
         yield
-    finally:
-        switch.__exit__(None, None, None)
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))

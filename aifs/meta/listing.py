@@ -45,9 +45,8 @@ class ListingMixin(StoreBase):
                 listed = self._link_new(txn, parent, listed, counters, names)
             for entry in listed:
                 name = key_bytes(entry.name)
-                if txn.get(key_bytes(entry.key), db=self.tombs) is not None \
-                        and not (entry.fields or {}).get("pack"):
-                    continue  # deleted here; a packed file's own record says if it lives
+                if self._deleted_here(txn, key_bytes(entry.key), entry):
+                    continue
                 value = existing.pop(name, None)
                 if value is not None:
                     current = Inode.decode(txn.get(value[:8], db=self.inodes))
@@ -111,45 +110,33 @@ class ListingMixin(StoreBase):
         seen: set[bytes] = set()
         seen_keys: set[bytes] = set()
         tombs = txn.stat(self.tombs)["entries"] > 0
-        prefix = u64(parent)
-        next_ino = counters.next(SYS_NEXT_INO, 2)
-        next_cookie = counters.next(SYS_NEXT_COOKIE, 1)
-        inodes, dentries, cookies, objkeys = [], [], [], []
-        get, pack, objkeys_db = txn.get, U64X2.pack, self.objkeys
+        first_ino = ino = counters.peek(SYS_NEXT_INO, 2)
+        cookie = counters.peek(SYS_NEXT_COOKIE, 1)
+        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
         for entry in listed:
             objkey = key_bytes(entry.key)
-            if tombs and get(objkey, db=self.tombs) is not None \
-                    and not (entry.fields or {}).get("pack"):
-                continue  # deleted here; a packed file's own record says if it lives
+            if tombs and self._deleted_here(txn, objkey, entry):
+                continue
             name = key_bytes(entry.name)
-            if name in seen or objkey in seen_keys or get(objkey, db=objkeys_db) is not None:
+            if name in seen or objkey in seen_keys \
+                    or txn.get(objkey, db=self.objkeys) is not None:
                 left.append(entry)  # (in order: a name listed again goes there too)
                 seen.add(name)
                 continue
             seen.add(name)
             seen_keys.add(objkey)
-            ino, cookie = next_ino, next_cookie
-            next_ino += 1
-            next_cookie += 1
-            inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
-                          int(entry.mtime * 1e9))
-            if entry.fields:
-                inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
-            raw_ino = u64(ino)
-            inodes.append((raw_ino, inode.encode_kept()))
-            dentries.append((prefix + name, pack(ino, cookie)))
-            cookies.append((prefix + u64(cookie), name))
-            objkeys.append((objkey, raw_ino))
+            records = _records(parent, name, objkey, entry, ino, cookie)
+            for column, record in zip(columns, records, strict=True):
+                column.append(record)
+            ino += 1
+            cookie += 1
             if names is not None:
                 names.append(name)
-        for db, items in ((self.inodes, inodes), (self.dentries, dentries),
-                          (self.cookies, cookies), (objkeys_db, objkeys)):
+        for db, items in zip(self._entry_dbs(), columns, strict=True):
             txn.cursor(db=db).putmulti(items)
-        if inodes:
-            counters.values[SYS_NEXT_INO] = next_ino
-            counters.values[SYS_NEXT_COOKIE] = next_cookie
-        else:  # nothing taken: the counters are not written
-            del counters.values[SYS_NEXT_INO], counters.values[SYS_NEXT_COOKIE]
+        if ino != first_ino:  # (nothing taken: the counters are not written)
+            counters.set(SYS_NEXT_INO, ino)
+            counters.set(SYS_NEXT_COOKIE, cookie)
         return left
 
     def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed,
@@ -160,15 +147,33 @@ class ListingMixin(StoreBase):
             raw_ino = None  # a name of a hard-linked inode: that record stays whole
         ino = U64.unpack(raw_ino)[0] if raw_ino else counters.next(SYS_NEXT_INO, 2)
         cookie = counters.next(SYS_NEXT_COOKIE, 1)
-        inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
-                      int(entry.mtime * 1e9))
-        if entry.fields:
-            inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
-        txn.put(u64(ino), inode.encode_kept(), db=self.inodes)
-        txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
-        txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
-        txn.put(objkey, u64(ino), db=self.objkeys)
+        records = _records(parent, name, objkey, entry, ino, cookie)
+        for db, (key, value) in zip(self._entry_dbs(), records, strict=True):
+            txn.put(key, value, db=db)
         return ino
+
+    def _entry_dbs(self) -> tuple[object, ...]:
+        """The databases of :func:`_records`, in its order."""
+        return self.inodes, self.dentries, self.cookies, self.objkeys
+
+    def _deleted_here(self, txn: lmdb.Transaction, objkey: bytes, entry: Listed) -> bool:
+        """A listed object this node deleted (its key tombstoned): hidden,
+        unless packed (a packed file's own record says if it lives)."""
+        return txn.get(objkey, db=self.tombs) is not None \
+            and not (entry.fields or {}).get("pack")
+
+
+def _records(parent: int, name: bytes, objkey: bytes, entry: Listed, ino: int,
+             cookie: int) -> tuple[tuple[bytes, bytes], ...]:
+    """A listed child's records, as (key, value) of the inode, dentry, cookie
+    and object-key databases (``_entry_dbs``)."""
+    inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
+                  int(entry.mtime * 1e9))
+    if entry.fields:
+        inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
+    prefix, raw_ino = u64(parent), u64(ino)
+    return ((raw_ino, inode.encode_kept()), (prefix + name, U64X2.pack(ino, cookie)),
+            (prefix + u64(cookie), name), (objkey, raw_ino))
 
 
 class _Counters:
@@ -179,13 +184,22 @@ class _Counters:
         self.txn, self.db = txn, db
         self.values: dict[bytes, int] = {}
 
-    def next(self, name: bytes, start: int) -> int:
+    def peek(self, name: bytes, start: int) -> int:
+        """The counter's next value, not taken."""
         value = self.values.get(name)
         if value is None:
             raw = self.txn.get(name, db=self.db)
             value = U64.unpack(raw)[0] if raw else start
+        return value
+
+    def next(self, name: bytes, start: int) -> int:
+        value = self.peek(name, start)
         self.values[name] = value + 1
         return value
+
+    def set(self, name: bytes, value: int) -> None:
+        """The counter's next value is ``value`` (numbers below it taken)."""
+        self.values[name] = value
 
     def write(self) -> None:
         for name, value in self.values.items():

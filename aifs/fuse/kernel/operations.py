@@ -74,11 +74,15 @@ class Operations:
         return self.fs.attributes(self.fs.absorbed(inode))
 
     def attr(self, a: Attributes) -> bytes:
-        return p.ATTR.pack(a.ino, a.size, (a.size + 511) // 512,
-                           a.atime_ns // 10**9, a.mtime_ns // 10**9, a.ctime_ns // 10**9,
-                           a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
-                           a.mode, a.nlink, a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev,
-                           self.blksize, 0)
+        return p.ATTR.pack(*self.attr_fields(a))
+
+    def attr_fields(self, a: Attributes) -> tuple[int, ...]:
+        """``fuse_attr``'s fields, in order (:data:`protocol.ATTR`)."""
+        return (a.ino, a.size, (a.size + 511) // 512,
+                a.atime_ns // 10**9, a.mtime_ns // 10**9, a.ctime_ns // 10**9,
+                a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+                a.mode, a.nlink, a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev,
+                self.blksize, 0)
 
     def timeout(self, inode: Inode) -> tuple[int, int]:
         if self.fs.object_attrs.unknown(inode):
@@ -253,7 +257,8 @@ class Operations:
         out: list[bytes] = []
         room = size
         attributes, timeout, remember = self.attributes, self.timeout, self.fs.remember
-        pack, blksize, head = p.DIRENTPLUS_HEAD.pack, self.blksize, p.ENTRY_HEAD.size + p.ATTR.size
+        pack, attr_fields = p.DIRENTPLUS_HEAD.pack, self.attr_fields
+        head = p.ENTRY_HEAD.size + p.ATTR.size
         while True:
             batch = await self.fs.readdir(fh, cookie)
             if not batch:
@@ -267,14 +272,9 @@ class Operations:
                 elif plus:  # one pack for the entry, its attributes and the dirent
                     a = attributes(inode)
                     seconds, nanos = timeout(inode)
-                    record = pack(
-                        a.ino, 0, seconds, seconds, nanos, nanos,
-                        a.ino, a.size, (a.size + 511) // 512, a.atime_ns // 10**9,
-                        a.mtime_ns // 10**9, a.ctime_ns // 10**9, a.atime_ns % 10**9,
-                        a.mtime_ns % 10**9, a.ctime_ns % 10**9, a.mode, a.nlink,
-                        a.uid & 0xFFFFFFFF, a.gid & 0xFFFFFFFF, a.rdev, blksize, 0,
-                        a.ino, next_cookie, len(name), stat.S_IFMT(a.mode) >> 12) + name
-                    record += _PAD[len(record) % 8]
+                    record = p.padded(pack(
+                        a.ino, 0, seconds, seconds, nanos, nanos, *attr_fields(a),
+                        a.ino, next_cookie, len(name), stat.S_IFMT(a.mode) >> 12) + name)
                 else:
                     a = attributes(inode)
                     record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
@@ -336,7 +336,6 @@ class Operations:
 
 
 DT_DIR = stat.S_IFDIR >> 12
-_PAD = (b"", b"\0" * 7, b"\0" * 6, b"\0" * 5, b"\0" * 4, b"\0" * 3, b"\0" * 2, b"\0")
 
 
 def _sized(value: bytes, size: int) -> bytes:

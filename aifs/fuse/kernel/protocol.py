@@ -121,5 +121,9 @@ def cstring(data: bytes | memoryview, start: int = 0) -> tuple[bytes, int]:
 
 def dirent(ino: int, cookie: int, name: bytes, kind: int) -> bytes:
     """One ``fuse_dirent``, padded to 8 bytes. ``kind`` is the DT_* type."""
-    record = DIRENT_HEAD.pack(ino, cookie, len(name), kind) + name
+    return padded(DIRENT_HEAD.pack(ino, cookie, len(name), kind) + name)
+
+
+def padded(record: bytes) -> bytes:
+    """A directory record padded to 8 bytes, as the kernel reads them."""
     return record + b"\0" * (-len(record) % 8)
