@@ -14,6 +14,7 @@ import itertools
 import operator
 from dataclasses import MISSING, dataclass, field, fields
 from json.encoder import encode_basestring_ascii as _json_string
+from typing import NamedTuple
 
 from aifs.meta.schema import compact_json, stored_json
 
@@ -37,8 +38,10 @@ MAYBE_IN_LAKE = "?"
 
 def valid_name(name: str) -> bool:
     """Whether a lake key component can be a POSIX file name."""
-    raw = name.encode("utf-8", "surrogateescape")
-    return bool(raw) and name not in (".", "..") and len(raw) <= 255 and "\0" not in name
+    if not name or name == "." or name == ".." or "\0" in name:
+        return False
+    # (63 characters are at most 252 bytes: most names need no encoding)
+    return len(name) <= 63 or len(name.encode("utf-8", "surrogateescape")) <= 255
 
 
 DECODED_KEPT = 16384
@@ -220,9 +223,9 @@ _rest_values = operator.itemgetter(*(name for name, _ in _REST))
 _REST_DEFAULTS = tuple(default for _, default in _REST)
 
 
-@dataclass(frozen=True)
-class Listed:
-    """One child of a directory as a LIST reported it."""
+class Listed(NamedTuple):
+    """One child of a directory as a LIST reported it (a named tuple: one is
+    made per listed object, 0.3 us where a frozen dataclass took 0.8)."""
 
     name: str
     kind: str
