@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from aifs.meta.batches import batchable
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
 
 
@@ -383,8 +384,12 @@ def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_pa
 
     def build(path, bulk):
         if not bulk:
-            monkeypatch.setattr(listing.ListingMixin, "_link_new",
-                                lambda self, txn, parent, listed, counters, names: list(listed))
+            # (the general path in the order the bulk one numbers: batched files first)
+            monkeypatch.setattr(
+                listing.ListingMixin, "_link_new",
+                lambda self, txn, parent, listed, counters, names, dir_key:
+                [e for e in listed if batchable(e, dir_key)]
+                + [e for e in listed if not batchable(e, dir_key)])
         meta = MetaStore(path)
         meta.apply_listing(ROOT_INO, [Listed("src", DIR, "src/"), Listed("dst", DIR, "dst/")],
                            now=5)
@@ -406,6 +411,8 @@ def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_pa
             Listed("twin", FILE, "dst/a", 1, "e-a", 1.0),  # a key listed twice
             Listed("moved", FILE, "dst/moved2", 2, "e-m", 1.0)]  # a name listed twice
         result = meta.apply_listing(dst.ino, listed, now=7, started=6, names=names)
+        # (dst's batch became records within the listing: "twin" names a batched key)
+        assert meta.materialize_all() == 0
         dump = _dump(meta)
         meta.close()
         monkeypatch.undo()

@@ -156,10 +156,13 @@ class StoreBase:
     # -- primitives: inside the caller's transaction, never opening one ------------
     def _children(self, parent: int,
                   txn: lmdb.Transaction | None = None) -> Iterator[tuple[bytes, bytes]]:
-        """(name, dentry value) of every child of ``parent``."""
+        """(name, dentry value) of every child of ``parent`` that has records
+        (in a write transaction, every child: a batch is materialized first;
+        readers add ``_virtual_children``)."""
         prefix = u64(parent)
         own = txn is None
         txn = txn or self.env.begin()
+        txn = self._materialized(txn, parent)
         try:
             cursor = txn.cursor(db=self.dentries)
             if cursor.set_range(prefix):
@@ -170,6 +173,11 @@ class StoreBase:
         finally:
             if own:
                 txn.abort()
+
+    def _materialized(self, txn: lmdb.Transaction, parent: int) -> lmdb.Transaction:
+        """In a write transaction: ``parent``'s batch made records (see
+        :mod:`aifs.meta.batches`, which overrides this); the raw transaction."""
+        return txn
 
     def _counter(self, txn: lmdb.Transaction, name: bytes, start: int) -> int:
         raw = txn.get(name, db=self.sys)
@@ -221,6 +229,8 @@ class StoreBase:
         if inode.links:
             self._drop_name(txn, inode, self._key_of(txn, parent, name), tomb)
             return inode
+        if inode.is_dir:  # (its batched files are found by its key: records first)
+            self._materialized(txn, ino)
         objkey = key_bytes(inode.key)
         if txn.get(objkey, db=self.objkeys) == u64(ino):
             txn.delete(objkey, db=self.objkeys)

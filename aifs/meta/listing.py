@@ -15,12 +15,12 @@ from collections.abc import Iterable
 
 import lmdb
 
-from aifs.meta.base import StoreBase
+from aifs.meta.batches import BATCH_MAX, BatchesMixin, Writing, batchable, entry_records
 from aifs.meta.inode import DIR, FILE, LINK, Inode, Listed
 from aifs.meta.schema import SYS_NEXT_COOKIE, SYS_NEXT_INO, U64, U64X2, key_bytes, u64
 
 
-class ListingMixin(StoreBase):
+class ListingMixin(BatchesMixin):
     def apply_listing(self, parent: int, listed: Iterable[Listed], now: float | None = None,
                       started: float | None = None, names: list[bytes] | None = None,
                       ) -> tuple[list[int], list[int]]:
@@ -38,11 +38,17 @@ class ListingMixin(StoreBase):
         removed: list[int] = []
         replaced: list[int] = []
         started = time.time() if started is None else started
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             counters = _Counters(txn, self.sys)
-            existing = dict(self._children(parent, txn))
+            existing = dict(self._children(parent, txn))  # (a batch: materialized)
             if not existing:  # a first listing: every entry is new
-                listed = self._link_new(txn, parent, listed, counters, names)
+                raw = txn.get(prefix, db=self.inodes)
+                directory = Inode.decode(raw) if raw else None
+                if directory is not None:
+                    self._materialize_key_owner(txn.raw, directory.key, parent)
+                # (an orphan's files have no directory key to be found by)
+                dir_key = directory.key if directory and not directory.orphan else None
+                listed = self._link_new(txn, parent, listed, counters, names, dir_key)
             for entry in listed:
                 name = key_bytes(entry.name)
                 if self._deleted_here(txn, key_bytes(entry.key), entry):
@@ -98,42 +104,58 @@ class ListingMixin(StoreBase):
                 txn.put(prefix, dir_inode.encode(), db=self.inodes)
         return removed, replaced
 
-    def _link_new(self, txn: lmdb.Transaction, parent: int, listed: Iterable[Listed],
-                  counters: _Counters, names: list[bytes] | None) -> list[Listed]:
-        """Link the entries of a directory with no children yet, their records
-        written in bulk (a directory's first listing: a walk of a big tree
-        does this for every file, and one ``putmulti`` per database costs a
-        third of a ``put`` per record); return those left to the general path:
-        a key with an inode already (a hard link's name, a moved name), a
-        name or key listed twice."""
+    def _link_new(self, txn: Writing, parent: int, listed: Iterable[Listed],
+                  counters: _Counters, names: list[bytes] | None,
+                  dir_key: str | None) -> list[Listed]:
+        """Link the entries of a directory with no children yet in bulk (a
+        directory's first listing: a walk of a big tree does this for every
+        file): its plain files as one batch (:mod:`aifs.meta.batches`),
+        numbered first, then the others' records, one ``putmulti`` per
+        database (a third of a ``put`` per record). Return those left to the
+        general path: a key with an inode already (a hard link's name, a
+        moved name), a name or key listed twice."""
+        raw = txn.raw  # (no batch here to materialize: the directory has no child)
         left: list[Listed] = []
         seen: set[bytes] = set()
         seen_keys: set[bytes] = set()
-        tombs = txn.stat(self.tombs)["entries"] > 0
-        first_ino = ino = counters.peek(SYS_NEXT_INO, 2)
-        cookie = counters.peek(SYS_NEXT_COOKIE, 1)
-        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
+        tombs = raw.stat(self.tombs)["entries"] > 0
+        plain: list[tuple[bytes, bytes, Listed]] = []
+        rest: list[tuple[bytes, bytes, Listed]] = []
         for entry in listed:
             objkey = key_bytes(entry.key)
-            if tombs and self._deleted_here(txn, objkey, entry):
+            if tombs and self._deleted_here(raw, objkey, entry):
                 continue
             name = key_bytes(entry.name)
             if name in seen or objkey in seen_keys \
-                    or txn.get(objkey, db=self.objkeys) is not None:
+                    or raw.get(objkey, db=self.objkeys) is not None:
                 left.append(entry)  # (in order: a name listed again goes there too)
                 seen.add(name)
                 continue
             seen.add(name)
             seen_keys.add(objkey)
-            records = _records(parent, name, objkey, entry, ino, cookie)
+            batch = dir_key is not None and batchable(entry, dir_key)
+            (plain if batch else rest).append((name, objkey, entry))
+            if names is not None:
+                names.append(name)
+        first_ino = ino = counters.peek(SYS_NEXT_INO, 2)
+        cookie = counters.peek(SYS_NEXT_COOKIE, 1)
+        if plain and self.batches_enabled and len(plain) <= BATCH_MAX:
+            assert dir_key is not None
+            self._store_batch(raw, parent, dir_key, ino, cookie,
+                              [entry for _, _, entry in plain])
+            ino += len(plain)
+            cookie += len(plain)
+        else:
+            rest = plain + rest  # (numbered as a batch would be: the same store after)
+        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
+        for name, objkey, entry in rest:
+            records = entry_records(parent, name, objkey, entry, ino, cookie)
             for column, record in zip(columns, records, strict=True):
                 column.append(record)
             ino += 1
             cookie += 1
-            if names is not None:
-                names.append(name)
         for db, items in zip(self._entry_dbs(), columns, strict=True):
-            txn.cursor(db=db).putmulti(items)
+            raw.cursor(db=db).putmulti(items)
         if ino != first_ino:  # (nothing taken: the counters are not written)
             counters.set(SYS_NEXT_INO, ino)
             counters.set(SYS_NEXT_COOKIE, cookie)
@@ -147,13 +169,13 @@ class ListingMixin(StoreBase):
             raw_ino = None  # a name of a hard-linked inode: that record stays whole
         ino = U64.unpack(raw_ino)[0] if raw_ino else counters.next(SYS_NEXT_INO, 2)
         cookie = counters.next(SYS_NEXT_COOKIE, 1)
-        records = _records(parent, name, objkey, entry, ino, cookie)
+        records = entry_records(parent, name, objkey, entry, ino, cookie)
         for db, (key, value) in zip(self._entry_dbs(), records, strict=True):
             txn.put(key, value, db=db)
         return ino
 
     def _entry_dbs(self) -> tuple[object, ...]:
-        """The databases of :func:`_records`, in its order."""
+        """The databases of :func:`entry_records`, in its order."""
         return self.inodes, self.dentries, self.cookies, self.objkeys
 
     def _deleted_here(self, txn: lmdb.Transaction, objkey: bytes, entry: Listed) -> bool:
@@ -161,19 +183,6 @@ class ListingMixin(StoreBase):
         unless packed (a packed file's own record says if it lives)."""
         return txn.get(objkey, db=self.tombs) is not None \
             and not (entry.fields or {}).get("pack")
-
-
-def _records(parent: int, name: bytes, objkey: bytes, entry: Listed, ino: int,
-             cookie: int) -> tuple[tuple[bytes, bytes], ...]:
-    """A listed child's records, as (key, value) of the inode, dentry, cookie
-    and object-key databases (``_entry_dbs``)."""
-    inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
-                  int(entry.mtime * 1e9))
-    if entry.fields:
-        inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
-    prefix, raw_ino = u64(parent), u64(ino)
-    return ((raw_ino, inode.encode_kept()), (prefix + name, U64X2.pack(ino, cookie)),
-            (prefix + u64(cookie), name), (objkey, raw_ino))
 
 
 class _Counters:

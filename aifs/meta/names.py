@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable
 
 import lmdb
 
-from aifs.meta.base import StoreBase
+from aifs.meta.batches import BatchesMixin
 from aifs.meta.inode import DATA, DIR, MAYBE_IN_LAKE, META, Inode
 from aifs.meta.schema import SYS_NEXT_COOKIE, U64X2, key_bytes, u64
 
 
-class NamesMixin(StoreBase):
+class NamesMixin(BatchesMixin):
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                new_key: str, tombstones: Iterable[str] = (),
                etags: dict[str, str] | None = None,
@@ -36,7 +36,7 @@ class NamesMixin(StoreBase):
         a local copy to upload again if their object could not be copied.
         """
         etags = etags or {}
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             value = txn.get(u64(old_parent) + old_name, db=self.dentries)
             if value is None:
                 raise KeyError(old_name)
@@ -134,7 +134,7 @@ class NamesMixin(StoreBase):
 
     def link(self, ino: int, parent: int, name: bytes, key: str, link_id: str) -> Inode:
         """Give ``ino`` one more name: ``name`` in ``parent``, lake key ``key``."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
             cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
             txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
@@ -154,7 +154,7 @@ class NamesMixin(StoreBase):
         """A fresh node found a name whose object belongs to a hard-link group:
         if another inode here holds the group, the name becomes one of its
         names (this inode an orphan); else this inode holds the group."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             raw_owner = txn.get(inode.link_id.encode(), db=self.link_groups)
             owner_raw = txn.get(raw_owner, db=self.inodes) if raw_owner else None
             owner = Inode.decode(owner_raw) if owner_raw else None

@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Iterable
 
-from aifs.meta.base import StoreBase
+from aifs.meta.batches import BatchesMixin
 from aifs.meta.inode import Inode
 from aifs.meta.schema import SYS_NEXT_SEQ, U64, is_hashed, key_bytes, scan_prefix, u64
 
@@ -27,7 +27,7 @@ def _tomb_key(raw_key: bytes, value: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-class PromotionMixin(StoreBase):
+class PromotionMixin(BatchesMixin):
     # -- pending state and its order -----------------------------------------------
     def pending_inodes(self) -> list[Inode]:
         """Every inode with local state not yet in the lake."""
@@ -55,7 +55,7 @@ class PromotionMixin(StoreBase):
         """Count a pending inode as changed now (a commit marker closed or
         renamed); keep ``content`` as that version of the marker. Returns its
         new sequence number (None if it is not pending)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             if txn.get(u64(ino), db=self.pendings) is None:
                 return None
             seq = self._counter(txn, SYS_NEXT_SEQ, 1)
@@ -79,7 +79,7 @@ class PromotionMixin(StoreBase):
 
     def drop_marker_versions(self, ino: int, up_to: int | None = None) -> None:
         """Forget kept versions of a marker (those up to sequence ``up_to``; all)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             self._drop_markers(txn, ino, up_to)
 
     # -- tombstones: keys to delete from the lake ----------------------------------
@@ -97,7 +97,7 @@ class PromotionMixin(StoreBase):
         """Drop tombstones whose value is still the one in ``marks``: a key
         tombstoned again while its delete ran (an upload that landed after
         the delete) keeps its new tombstone."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             for key, mark in marks.items():
                 if txn.get(key_bytes(key), db=self.tombs) == mark:
                     txn.delete(key_bytes(key), db=self.tombs)
@@ -121,11 +121,11 @@ class PromotionMixin(StoreBase):
         return out
 
     def add_tombstone(self, key: str, ino: int = 0) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             self._tomb(txn, key, ino)
 
     def drop_tombstone(self, key: str) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.delete(key_bytes(key), db=self.tombs)
 
     # -- multipart uploads in progress ---------------------------------------------
@@ -143,7 +143,7 @@ class PromotionMixin(StoreBase):
                       started: float = 0.0) -> None:
         """Record a multipart upload: ``upload_id`` "" before it is created (a
         crash then leaves an upload we must find by key), None once it ended."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.delete(u64(ino), db=self.uploads)  # the one-per-inode form of schema 2
             if upload_id is None:
                 txn.delete(u64(ino) + key_bytes(key), db=self.uploads)
@@ -156,7 +156,7 @@ class PromotionMixin(StoreBase):
     def settle(self, ino: int, expect_key: str, done: int, **changes: object) -> Inode | None:
         """After a promotion: clear ``done`` flags and apply ``changes`` if the
         inode still has key ``expect_key`` (else nothing; it moved meanwhile)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             raw = txn.get(u64(ino), db=self.inodes)
             if not raw:
                 return None
@@ -181,11 +181,11 @@ class PromotionMixin(StoreBase):
 
     # -- files written and not closed (see core.Filesystem.recover) ----------------
     def mark_unclosed(self, ino: int) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.put(u64(ino), b"", db=self.unclosed_db)
 
     def clear_unclosed(self, ino: int) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.delete(u64(ino), db=self.unclosed_db)
 
     def unclosed(self) -> list[int]:
@@ -196,7 +196,7 @@ class PromotionMixin(StoreBase):
         """Forget a file whose writes must not reach the lake (it was open for
         writing at a crash): its entry goes, without a tombstone, and its
         directory is listed again, so the lake's last version (if any) shows."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.delete(u64(ino), db=self.unclosed_db)
             raw = txn.get(u64(ino), db=self.inodes)
             if not raw:

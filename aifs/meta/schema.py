@@ -37,6 +37,13 @@ link        hard-link group id (UTF-8)       u64 ino that holds the group's name
                                              (a fresh node joins names it finds by it)
 unclosed    ino                              b"": written through a handle since its last
                                              close or fsync (after a crash: not published)
+batch       parent ino                       a first listing's plain files, virtual
+                                             (:mod:`aifs.meta.batches`): first ino
+                                             and first cookie (u64, little-endian;
+                                             numbered in order), u32 count, the
+                                             directory's key as listed
+batchrows   parent ino                       that batch's rows: size, mtime, name, ETag
+batchino    u64 last ino of a batch          parent ino (which batch holds an inode)
 sys         a name (the last table)          counters and settings of the store and the
                                              pack index, one per key
 ==========  ===============================  ==========================================
@@ -104,6 +111,9 @@ DB_MARKER = b"marker"
 DB_LINK = b"link"
 DB_UNCLOSED = b"unclosed"
 DB_SYS = b"sys"
+DB_BATCH = b"batch"
+DB_BATCH_ROWS = b"batchrows"
+DB_BATCH_INO = b"batchino"
 DB_PACKED = b"packed"
 DB_PACKMEMBER = b"packmember"
 DB_PACK = b"pack"
@@ -111,7 +121,8 @@ DB_JOURNAL = b"journal"
 DB_OUTBOX = b"outbox"
 #: every database of the environment (the tables above), in their order
 DATABASES = (DB_INODE, DB_DENTRY, DB_COOKIE, DB_OBJKEY, DB_PENDING, DB_TOMB, DB_UPLOAD,
-             DB_MARKER, DB_LINK, DB_UNCLOSED, DB_SYS, DB_PACKED, DB_PACKMEMBER, DB_PACK,
+             DB_MARKER, DB_LINK, DB_UNCLOSED, DB_BATCH, DB_BATCH_ROWS, DB_BATCH_INO,
+             DB_SYS, DB_PACKED, DB_PACKMEMBER, DB_PACK,
              DB_JOURNAL, DB_OUTBOX)
 #: the most named databases the environment is opened for (room to add some)
 MAX_DBS = 20
@@ -127,12 +138,13 @@ SYS_SCHEMA = b"schema"
 SYS_PACKS_REPLAYED_AT = b"packs_replayed_at"
 SYS_PACKS_PENDING = b"packs_pending"
 
-SCHEMA_VERSION = b"5"
+SCHEMA_VERSION = b"6"
 #: what each older schema needs to become the current one (see ``migrate``)
 MIGRATIONS = {
     b"2": "mode 0 meant 'the default for the kind': that is -1 now; inode records compact",
     b"3": "inode records compact (a list of the common fields, not an object)",
     b"4": "inode records: the kind a number, an ETag's quotes left out",
+    b"5": "a first listing's plain files may be one record per directory (batches)",
 }
 
 # -- encodings ----------------------------------------------------------------
@@ -203,7 +215,7 @@ def migrate(env: lmdb.Environment, version: bytes,
     inodes = env.open_db(DB_INODE)
     sys_db = env.open_db(DB_SYS)
     last: bytes | None = None
-    while True:
+    while version != b"5":  # (5 -> 6 adds databases: no record changes)
         with env.begin(write=True) as txn:
             cursor = txn.cursor(db=inodes)
             found = cursor.first() if last is None else cursor.set_range(last)

@@ -29,8 +29,9 @@ nothing: commits are in the page cache); ``sync()`` makes it durable.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
-from aifs.meta.base import RESERVE_BYTES, StoreBase
+from aifs.meta.base import RESERVE_BYTES
 from aifs.meta.inode import (
     BLK,
     CHR,
@@ -78,18 +79,27 @@ __all__ = [
 ]
 
 
-class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
-    # -- reads ------------------------------------------------------------
+class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
+    def __init__(self, path: Path, map_size: int = 1 << 36, batches: bool = True) -> None:
+        """``batches``: keep a first listing's plain files as one record per
+        directory (:mod:`aifs.meta.batches`); off only to compare with."""
+        super().__init__(path, map_size)
+        self._init_batches(batches)
+
+    # -- reads (a batched entry is read from its batch) ---------------------
     def get(self, ino: int) -> Inode | None:
         with self.env.begin() as txn:
             raw = txn.get(u64(ino), db=self.inodes)
-        return Inode.decode(raw) if raw else None
+            if raw is None:
+                return self._virtual(txn, ino)
+        return Inode.decode(raw)
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         with self.env.begin() as txn:
             value = txn.get(u64(parent) + name, db=self.dentries)
             if value is None:
-                return None
+                found = self._virtual_entry(txn, parent, name)
+                return found[0].inode(found[1]) if found else None
             raw = txn.get(value[:8], db=self.inodes)
         return Inode.decode(raw) if raw else None
 
@@ -97,17 +107,25 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
         """The readdir cookie of entry ``name`` of ``parent`` (None: no such entry)."""
         with self.env.begin() as txn:
             value = txn.get(u64(parent) + name, db=self.dentries)
-        return U64X2.unpack(value[:16])[1] if value else None
+            if value is None:
+                found = self._virtual_entry(txn, parent, name)
+                return found[0].first_cookie + found[1] if found else None
+        return U64X2.unpack(value[:16])[1]
 
     def exists(self, parent: int, name: bytes) -> bool:
         with self.env.begin() as txn:
-            return txn.get(u64(parent) + name, db=self.dentries) is not None
+            return txn.get(u64(parent) + name, db=self.dentries) is not None \
+                or self._virtual_entry(txn, parent, name) is not None
 
     def owner_of(self, key: str) -> int | None:
         """The live inode that owns lake key ``key``, if any."""
         with self.env.begin() as txn:
-            raw = txn.get(key_bytes(key), db=self.objkeys)
-        return U64.unpack(raw)[0] if raw else None
+            raw_key = key_bytes(key)
+            raw = txn.get(raw_key, db=self.objkeys)
+            if raw is None:
+                found = self._virtual_key(txn, raw_key)
+                return found[0].first_ino + found[1] if found else None
+        return U64.unpack(raw)[0]
 
     def readdir(self, parent: int, after_cookie: int,
                 limit: int) -> list[tuple[int, bytes, Inode]]:
@@ -115,6 +133,14 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
         out: list[tuple[int, bytes, Inode]] = []
         prefix = u64(parent)
         with self.env.begin() as txn:
+            batch = self._batch(txn, parent)
+            if batch is not None:  # its cookies come before any other child's
+                start = max(0, after_cookie + 1 - batch.first_cookie)
+                for i in range(start, min(len(batch), start + limit)):
+                    out.append((batch.first_cookie + i, batch.names[i], batch.inode(i)))
+                after_cookie = max(after_cookie, batch.first_cookie + len(batch) - 1)
+                if len(out) >= limit:
+                    return out
             cursor = txn.cursor(db=self.cookies)
             if not cursor.set_range(prefix + u64(after_cookie + 1)):
                 return out
@@ -135,9 +161,13 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
             with self.env.begin() as txn:  # closed before yielding: callers may write
                 raw = txn.get(u64(current), db=self.inodes)
                 inode = Inode.decode(raw) if raw else None
+                if inode is None:
+                    inode = self._virtual(txn, current)
                 if inode is not None and inode.is_dir:
                     stack += [U64.unpack(value[:8])[0]
                               for _, value in self._children(current, txn)]
+                    stack += [U64.unpack(value[:8])[0]
+                              for _, value in self._virtual_children(txn, current)]
             if inode is not None and not inode.is_dir:
                 yield inode
 
@@ -152,17 +182,19 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
         return count
 
     def children_count(self, parent: int) -> int:
-        return sum(1 for _ in self._children(parent))
+        with self.env.begin() as txn:
+            batch = self._batch(txn, parent)
+            return sum(1 for _ in self._children(parent, txn)) + (len(batch) if batch else 0)
 
     # -- writes -----------------------------------------------------------
     def put(self, inode: Inode) -> None:
         """Store an inode record as it is (and index its pending state)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             self._put(txn, inode)
 
     def update(self, ino: int, **changes: object) -> Inode | None:
         """Change some fields of a stored inode; return it as stored."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             raw = txn.get(u64(ino), db=self.inodes)
             if not raw:
                 return None
@@ -174,7 +206,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
 
     def set_times(self, times: dict[int, tuple[int, float]]) -> None:
         """Set (mtime_ns, ctime) of several inodes in one transaction."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             for ino, (mtime_ns, ctime) in times.items():
                 raw = txn.get(u64(ino), db=self.inodes)
                 if raw:
@@ -186,7 +218,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
         """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here.
         ``unclosed``: created by an open for writing (see :meth:`mark_unclosed`),
         recorded in the same transaction, so no crash can publish it half made."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             objkey = key_bytes(inode.key)
             if txn.get(objkey, db=self.tombs) is not None and not inode.etag:
                 inode.etag = MAYBE_IN_LAKE  # an old object there is deleted or replaced
@@ -204,7 +236,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
         """Give an entry whose file type turned out different (a symlink object
         listed as a file) a new inode number: the kernel cannot change the
         type of an inode it knows. The old number becomes an orphan."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             parent = self._entry_of(txn, inode)
             if parent is None:
                 return inode
@@ -222,7 +254,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
     def remove(self, parent: int, name: bytes) -> Inode | None:
         """Unlink ``name`` from ``parent``: the inode becomes an orphan and, if
         the lake may hold its object, that key is tombstoned."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             value = txn.get(u64(parent) + name, db=self.dentries)
             if value is None:
                 return None
@@ -231,12 +263,12 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
     # -- orphans and stale listings ---------------------------------------------
     def delete_orphan(self, ino: int) -> None:
         """Drop an orphan's record (and, for a directory, its subtree)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             self._delete_tree(txn, ino)
 
     def purge_orphans(self) -> list[int]:
         """At mount time no kernel reference exists: drop every orphan."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             orphans = [Inode.decode(v).ino for _, v in txn.cursor(db=self.inodes)
                        if b'"orphan":true' in v]
             for ino in orphans:
@@ -245,7 +277,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin, StoreBase):
 
     def expire_all(self) -> None:
         """Mark every directory listing stale (for a remount after a long pause)."""
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             updates = []
             for key, raw in txn.cursor(db=self.inodes):
                 inode = Inode.decode(raw)

@@ -1,0 +1,376 @@
+"""A directory's first listing of plain files, kept as one record: a batch.
+
+A walk of a big tree lists every directory once and reads it back once; four
+records per file (inode, name, cookie, key) cost more than the walk itself.
+So the plain files of a directory's *first* listing (no fields beyond what
+LIST says, a key of their own, none this node deleted) are stored as one
+record per directory: their names, sizes, times and ETags in listed order,
+with a range of inode numbers and a range of cookies. Such an entry is
+*virtual*: reads (``get``, ``lookup``, ``readdir``, ``owner_of`` ...) make
+its :class:`Inode` from the batch, and the first write transaction that
+touches any record of a batched directory or entry (a create in it, an
+unlink, a rename, a change of one of its inodes, a refresh of its listing)
+turns the whole batch into the four records per file that the listing would
+have written (:meth:`BatchesMixin._materialize`), byte for byte, before it
+goes on. Write transactions get this from :class:`Writing`, a transaction
+whose ``get``, ``put`` and ``delete`` in the entry databases materialize
+first: the rest of the store keeps reading and writing records as before.
+
+The numbers are given out in one order with batches or without (a listing's
+batched files first, the rest after): ``tests/test_batches.py`` runs the same
+operations on a store with batches and one without, compares every read,
+and then the records themselves.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import lmdb
+
+from aifs.meta.base import StoreBase
+from aifs.meta.inode import FILE, ROOT_INO, Inode, Listed
+from aifs.meta.schema import (
+    DB_BATCH,
+    DB_BATCH_INO,
+    DB_BATCH_ROWS,
+    KEY_RAW_MAX,
+    U64,
+    U64X2,
+    key_bytes,
+    u64,
+)
+
+#: a batch's head (``batch``): first inode number, first cookie, count, then the
+#: directory's key as listed (UTF-8)
+HEAD = struct.Struct("<QQI")
+#: one row (``batchrows``, rows back to back): size, mtime as LIST gave it (the
+#: float), name length, ETag length; then the name and the ETag
+ROW = struct.Struct("<QdHH")
+#: batches kept parsed in memory (a READDIRPLUS or LOOKUP reads one at a time)
+PARSED_KEPT = 64
+#: the most files one batch holds: the write that materializes it runs on the
+#: event loop (16,384 records: ~0.1 s); a directory with more gets records
+BATCH_MAX = 16384
+
+
+@dataclass
+class Batch:
+    parent: int
+    first_ino: int
+    first_cookie: int
+    dir_key: str
+    names: list[bytes]
+    sizes: list[int]
+    mtimes: list[float]
+    etags: list[str]
+    index: dict[bytes, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def find(self, name: bytes) -> int | None:
+        if self.index is None:
+            self.index = {name: i for i, name in enumerate(self.names)}
+        return self.index.get(name)
+
+    def key(self, i: int) -> str:
+        return self.dir_key + self.names[i].decode("utf-8", "surrogateescape")
+
+    def inode(self, i: int) -> Inode:
+        """Entry ``i`` as the record the listing would have written decodes."""
+        return Inode(self.first_ino + i, FILE, self.key(i), self.parent, self.sizes[i],
+                     self.etags[i], int(self.mtimes[i] * 1e9))
+
+    def listed(self, i: int) -> Listed:
+        name = self.names[i].decode("utf-8", "surrogateescape")
+        return Listed(name, FILE, self.dir_key + name, self.sizes[i], self.etags[i],
+                      self.mtimes[i])
+
+
+def batchable(entry: Listed, dir_key: str) -> bool:
+    """Whether a listed child may be virtual: a plain file named as its key
+    says, whose key is stored whole (not cut and hashed)."""
+    return entry.kind == FILE and not entry.fields and entry.key == dir_key + entry.name \
+        and "/" not in entry.name \
+        and len(entry.key.encode("utf-8", "surrogateescape")) <= KEY_RAW_MAX
+
+
+def encode(first_ino: int, first_cookie: int, dir_key: str,
+           entries: list[Listed]) -> tuple[bytes, bytes]:
+    head = HEAD.pack(first_ino, first_cookie, len(entries)) + dir_key.encode(
+        "utf-8", "surrogateescape")
+    parts = []
+    pack = ROW.pack
+    for entry in entries:
+        name = entry.name.encode("utf-8", "surrogateescape")
+        etag = entry.etag.encode("utf-8", "surrogateescape")
+        parts.append(pack(entry.size, entry.mtime, len(name), len(etag)) + name + etag)
+    return head, b"".join(parts)
+
+
+def decode(parent: int, head: bytes, rows: bytes) -> Batch:
+    first_ino, first_cookie, count = HEAD.unpack_from(head)
+    dir_key = head[HEAD.size:].decode("utf-8", "surrogateescape")
+    names: list[bytes] = []
+    sizes: list[int] = []
+    mtimes: list[float] = []
+    etags: list[str] = []
+    offset, unpack, size = 0, ROW.unpack_from, ROW.size
+    for _ in range(count):
+        length, mtime, name_len, etag_len = unpack(rows, offset)
+        offset += size
+        names.append(rows[offset:offset + name_len])
+        offset += name_len
+        etags.append(rows[offset:offset + etag_len].decode("utf-8", "surrogateescape"))
+        offset += etag_len
+        sizes.append(length)
+        mtimes.append(mtime)
+    return Batch(parent, first_ino, first_cookie, dir_key, names, sizes, mtimes, etags)
+
+
+def entry_records(parent: int, name: bytes, objkey: bytes, entry: Listed, ino: int,
+             cookie: int) -> tuple[tuple[bytes, bytes], ...]:
+    """A listed child's records, as (key, value) of the inode, dentry, cookie
+    and object-key databases (``_entry_dbs``)."""
+    inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
+                  int(entry.mtime * 1e9))
+    if entry.fields:
+        inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
+    prefix, raw_ino = u64(parent), u64(ino)
+    return ((raw_ino, inode.encode_kept()), (prefix + name, U64X2.pack(ino, cookie)),
+            (prefix + u64(cookie), name), (objkey, raw_ino))
+
+
+class Writing:
+    """A write transaction that materializes a batch before any of its
+    entries' records is read, written or deleted (see the module's doc)."""
+
+    def __init__(self, store: BatchesMixin, txn: lmdb.Transaction) -> None:
+        self.raw = txn
+        self._store = store
+        self._entry_dbs = (store.inodes, store.dentries, store.cookies, store.objkeys)
+
+    def get(self, key: bytes, default: object = None, db: object = None) -> object:
+        value = self.raw.get(key, db=db)
+        if value is None and db in self._entry_dbs \
+                and self._store._materialize_for(self.raw, key, db):
+            value = self.raw.get(key, db=db)
+        return default if value is None else value
+
+    def put(self, key: bytes, value: bytes, db: object = None, **options: bool) -> bool:
+        if db in self._entry_dbs:
+            self._store._materialize_for(self.raw, key, db)
+        return self.raw.put(key, value, db=db, **options)
+
+    def delete(self, key: bytes, value: bytes = b"", db: object = None) -> bool:
+        if db in self._entry_dbs:
+            self._store._materialize_for(self.raw, key, db)
+        return self.raw.delete(key, value, db=db)
+
+    def cursor(self, db: object = None) -> lmdb.Cursor:
+        """(The cursors of write paths scan records that are never virtual:
+        ``_children`` materializes its directory first.)"""
+        return self.raw.cursor(db=db)
+
+    def stat(self, db: object) -> dict:
+        return self.raw.stat(db)
+
+
+class BatchesMixin(StoreBase):
+    def _init_batches(self, enabled: bool) -> None:
+        self.batches_enabled = enabled
+        self.batch_heads = self.env.open_db(DB_BATCH)
+        self.batch_rows = self.env.open_db(DB_BATCH_ROWS)
+        self.batch_inos = self.env.open_db(DB_BATCH_INO)
+        self._parsed: dict[int, Batch] = {}
+        self._parsed_lock = threading.Lock()  # (listings parse in worker threads)
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.batch_inos)
+            #: no inode number above this is virtual (a bound, never too low)
+            self._batched_below = U64.unpack(cursor.key())[0] if cursor.last() else 0
+
+    def _write(self) -> _WriteContext:
+        """A write transaction of the entry databases (see :class:`Writing`)."""
+        return _WriteContext(self)
+
+    # -- reads --------------------------------------------------------------------
+    def _batch(self, txn: lmdb.Transaction | Writing, parent: int) -> Batch | None:
+        raw_txn = txn.raw if isinstance(txn, Writing) else txn
+        head = raw_txn.get(u64(parent), db=self.batch_heads)
+        if head is None:
+            return None
+        first_ino = HEAD.unpack_from(head)[0]
+        batch = self._parsed.get(parent)
+        if batch is None or batch.first_ino != first_ino:
+            batch = decode(parent, bytes(head), bytes(raw_txn.get(u64(parent),
+                                                                  db=self.batch_rows)))
+            self._keep(batch)
+        return batch
+
+    def _keep(self, batch: Batch) -> None:
+        with self._parsed_lock:
+            self._parsed.pop(batch.parent, None)
+            if len(self._parsed) >= PARSED_KEPT:
+                self._parsed.pop(next(iter(self._parsed)), None)
+            self._parsed[batch.parent] = batch
+
+    def _drop_parsed(self, parent: int | None = None) -> None:
+        with self._parsed_lock:
+            if parent is None:
+                self._parsed.clear()
+            else:
+                self._parsed.pop(parent, None)
+
+    def _batch_of_ino(self, txn: lmdb.Transaction, ino: int) -> tuple[Batch, int] | None:
+        """The batch that holds inode ``ino`` virtually, and its row."""
+        if ino > self._batched_below:
+            return None
+        cursor = txn.cursor(db=self.batch_inos)
+        if not cursor.set_range(u64(ino)):
+            return None
+        batch = self._batch(txn, U64.unpack(cursor.value())[0])
+        if batch is None or not batch.first_ino <= ino < batch.first_ino + len(batch):
+            return None
+        return batch, ino - batch.first_ino
+
+    def _virtual(self, txn: lmdb.Transaction, ino: int) -> Inode | None:
+        found = self._batch_of_ino(txn, ino)
+        return found[0].inode(found[1]) if found else None
+
+    def _virtual_entry(self, txn: lmdb.Transaction, parent: int,
+                       name: bytes) -> tuple[Batch, int] | None:
+        batch = self._batch(txn, parent)
+        if batch is None:
+            return None
+        i = batch.find(name)
+        return None if i is None else (batch, i)
+
+    def _key_parent(self, txn: lmdb.Transaction, raw_key: bytes) -> int | None:
+        """The directory a file's lake key (as stored, not hashed) is in."""
+        if len(raw_key) > KEY_RAW_MAX or raw_key.endswith(b"/"):
+            return None
+        cut = raw_key.rfind(b"/")
+        if cut < 0:
+            return ROOT_INO
+        owner = txn.get(raw_key[:cut + 1], db=self.objkeys)
+        return U64.unpack(owner)[0] if owner is not None else None
+
+    def _materialize_key_owner(self, txn: lmdb.Transaction, dir_key: str,
+                               parent: int) -> None:
+        """Before ``parent`` (a directory of key ``dir_key``) links listed
+        files by their keys: the batch of another directory known by that
+        key (``parent`` an orphan of the same name) becomes records, so that
+        a key it holds is seen as taken, as its record would be."""
+        if dir_key == "":
+            owner: int | None = ROOT_INO
+        else:
+            raw = txn.get(key_bytes(dir_key), db=self.objkeys)
+            owner = U64.unpack(raw)[0] if raw is not None else None
+        if owner is not None and owner != parent:
+            self._materialize(txn, owner)
+
+    def _virtual_key(self, txn: lmdb.Transaction, raw_key: bytes) -> tuple[Batch, int] | None:
+        parent = self._key_parent(txn, raw_key)
+        if parent is None:
+            return None
+        found = self._virtual_entry(txn, parent, raw_key[raw_key.rfind(b"/") + 1:])
+        if found is None or key_bytes(found[0].key(found[1])) != raw_key:
+            return None
+        return found
+
+    def _virtual_children(self, txn: lmdb.Transaction,
+                          parent: int) -> Iterator[tuple[bytes, bytes]]:
+        """(name, dentry value) of ``parent``'s virtual children, as
+        :meth:`_children` gives the others."""
+        batch = self._batch(txn, parent)
+        if batch is not None:
+            for i, name in enumerate(batch.names):
+                yield name, U64X2.pack(batch.first_ino + i, batch.first_cookie + i)
+
+    # -- writes -------------------------------------------------------------------
+    def _store_batch(self, txn: lmdb.Transaction, parent: int, dir_key: str, first_ino: int,
+                     first_cookie: int, entries: list[Listed]) -> None:
+        """Keep ``entries`` (given ``first_ino``... and cookies in order) as a batch."""
+        head, rows = encode(first_ino, first_cookie, dir_key, entries)
+        last = first_ino + len(entries) - 1
+        txn.put(u64(parent), head, db=self.batch_heads)
+        txn.put(u64(parent), rows, db=self.batch_rows)
+        txn.put(u64(last), u64(parent), db=self.batch_inos)
+        self._batched_below = max(self._batched_below, last)
+
+    def _materialized(self, txn: lmdb.Transaction | Writing, parent: int) -> lmdb.Transaction:
+        if isinstance(txn, Writing):
+            self._materialize(txn.raw, parent)
+            return txn.raw
+        return txn
+
+    def materialize_all(self) -> int:
+        """Turn every batch into records (tests compare stores so); how many."""
+        with self.env.begin(write=True) as txn:
+            parents = [U64.unpack(key)[0] for key in
+                       txn.cursor(db=self.batch_heads).iternext(keys=True, values=False)]
+            for parent in parents:
+                self._materialize(txn, parent)
+        return len(parents)
+
+    def _materialize_for(self, txn: lmdb.Transaction, key: bytes, db: object) -> bool:
+        """Materialize the batch that holds what ``key`` of entry database
+        ``db`` names, if one does; whether one did."""
+        if not self.batches_enabled and not self._batched_below:
+            return False
+        if db is self.inodes:
+            found = self._batch_of_ino(txn, U64.unpack(key[:8])[0])
+            parent = found[0].parent if found else None
+        elif db is self.objkeys:
+            found = self._virtual_key(txn, bytes(key))
+            parent = found[0].parent if found else None
+        else:  # dentry or cookie: parent ino ++ ...
+            parent = U64.unpack(key[:8])[0]
+        if parent is None or txn.get(u64(parent), db=self.batch_heads) is None:
+            return False
+        self._materialize(txn, parent)
+        return True
+
+    def _materialize(self, txn: lmdb.Transaction, parent: int) -> None:
+        """Turn ``parent``'s batch into the records its listing would have written."""
+        batch = self._batch(txn, parent)
+        if batch is None:
+            return
+        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
+        for i, name in enumerate(batch.names):
+            entry = batch.listed(i)
+            records = entry_records(parent, name, key_bytes(entry.key), entry,
+                               batch.first_ino + i, batch.first_cookie + i)
+            for column, record in zip(columns, records, strict=True):
+                column.append(record)
+        for db, items in zip((self.inodes, self.dentries, self.cookies, self.objkeys),
+                             columns, strict=True):
+            txn.cursor(db=db).putmulti(items)
+        txn.delete(u64(parent), db=self.batch_heads)
+        txn.delete(u64(parent), db=self.batch_rows)
+        txn.delete(u64(batch.first_ino + len(batch) - 1), db=self.batch_inos)
+        self._drop_parsed(parent)
+
+
+class _WriteContext:
+    def __init__(self, store: BatchesMixin) -> None:
+        self._store = store
+
+    def __enter__(self) -> Writing:
+        self._txn = self._store.env.begin(write=True)
+        return Writing(self._store, self._txn)
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        if kind is None:
+            try:
+                self._txn.commit()
+                return
+            except BaseException:
+                self._store._drop_parsed()
+                raise
+        self._store._drop_parsed()  # (a batch parsed inside it may not exist)
+        self._txn.abort()
