@@ -430,3 +430,23 @@ def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_pa
     assert [(k, v[:8]) for k, v in bulk[2][b"dentry"]] == \
         [(k, v[:8]) for k, v in general[2][b"dentry"]]
     assert sorted(v for _, v in bulk[2][b"cookie"]) == sorted(v for _, v in general[2][b"cookie"])
+
+
+def test_an_orphan_directory_dropped_leaves_a_hard_linked_file_its_other_names(tmp_path):
+    """A directory another node deleted (gone from its parent's listing) is
+    dropped with what is below it once the kernel forgets it (or at the next
+    mount); a file in it hard-linked from elsewhere keeps its other name."""
+    meta = MetaStore(tmp_path / "m")
+    meta.apply_listing(ROOT_INO, [Listed("a", DIR, "a/"), Listed("b", DIR, "b/")], now=1)
+    a, b = meta.lookup(ROOT_INO, b"a"), meta.lookup(ROOT_INO, b"b")
+    meta.apply_listing(a.ino, [Listed("f", FILE, "a/f", 3, "e", 2.0)], now=1)
+    f = meta.lookup(a.ino, b"f")
+    meta.link(f.ino, b.ino, b"g", "b/g", "group-1")
+    removed, _ = meta.apply_listing(ROOT_INO, [Listed("b", DIR, "b/")], now=2, started=2)
+    assert removed == [a.ino] and meta.get(a.ino).orphan
+    meta.delete_orphan(a.ino)
+    g = meta.lookup(b.ino, b"g")
+    assert g is not None and g.ino == f.ino and not g.orphan and g.size == 3
+    assert [name for _, name, _ in meta.readdir(b.ino, 0, 10)] == [b"g"]
+    assert meta.purge_orphans() == [] and meta.lookup(b.ino, b"g") == g
+    meta.close()

@@ -280,7 +280,9 @@ class StoreBase:
         inode = Inode.decode(raw)
         if inode.is_dir:
             for name, value in list(self._children(ino, txn)):
-                self._remove(txn, ino, name, value, tomb=False)
+                child = self._remove(txn, ino, name, value, tomb=False)
+                if child is not None and not child.orphan:
+                    continue  # a hard-linked file: it lives on by its other names
                 self._delete_tree(txn, U64X2.unpack(value[:16])[0])
         txn.delete(u64(ino), db=self.inodes)
         txn.delete(u64(ino), db=self.pendings)
