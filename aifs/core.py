@@ -171,6 +171,10 @@ class Filesystem:
     def remember(self, ino: int) -> None:
         self.inodes.remember(ino)
 
+    def remember_all(self, inos: list[int]) -> None:
+        """The kernel got one more reference to each of ``inos`` (a READDIRPLUS)."""
+        self.inodes.remember_all(inos)
+
     def forget(self, items: list[tuple[int, int]]) -> None:
         self.inodes.forget(items)
 

@@ -179,6 +179,11 @@ class Inodes:
         """The kernel got one more reference to ``ino``."""
         self.lookups.add(ino)
 
+    def remember_all(self, inos: list[int]) -> None:
+        add = self.lookups.add
+        for ino in inos:
+            add(ino)
+
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, count in items:
             if not self.lookups.drop(ino, count):

@@ -255,14 +255,16 @@ class Operations:
     async def _readdir(self, body: memoryview, plus: bool) -> Reply:
         fh, cookie, size, *_ = p.READ_IN.unpack_from(body)
         out: list[bytes] = []
+        sent: list[int] = []  # the kernel holds a reference to each entry of a plus reply
         room = size
-        attributes, timeout, remember = self.attributes, self.timeout, self.fs.remember
+        attributes, timeout = self.attributes, self.timeout
         pack, attr_fields = p.DIRENTPLUS_HEAD.pack, self.attr_fields
         head = p.ENTRY_HEAD.size + p.ATTR.size
-        while True:
+        full = False
+        while not full:
             batch = await self.fs.readdir(fh, cookie)
             if not batch:
-                return out
+                break
             for next_cookie, name, inode in batch:
                 dot = name == b"." or name == b".."
                 if dot:
@@ -272,19 +274,24 @@ class Operations:
                 elif plus:  # one pack for the entry, its attributes and the dirent
                     a = attributes(inode)
                     seconds, nanos = timeout(inode)
-                    record = p.padded(pack(
+                    record = pack(
                         a.ino, 0, seconds, seconds, nanos, nanos, *attr_fields(a),
-                        a.ino, next_cookie, len(name), stat.S_IFMT(a.mode) >> 12) + name)
+                        a.ino, next_cookie, len(name), (a.mode & _S_IFMT) >> 12,
+                    ) + name + _PADS[-len(name) % 8]
                 else:
                     a = attributes(inode)
-                    record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
+                    record = p.dirent(a.ino, next_cookie, name, (a.mode & _S_IFMT) >> 12)
                 if len(record) > room:
-                    return out
+                    full = True
+                    break
                 out.append(record)
                 room -= len(record)
                 if plus and not dot:
-                    remember(inode.ino)
+                    sent.append(inode.ino)
                 cookie = next_cookie
+        if sent:  # (counted once the reply is whole: a failed one reaches no kernel)
+            self.fs.remember_all(sent)
+        return out
 
     async def releasedir(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.RELEASE_IN.unpack_from(body)
@@ -336,6 +343,11 @@ class Operations:
 
 
 DT_DIR = stat.S_IFDIR >> 12
+_S_IFMT = 0o170000
+#: a ``fuse_direntplus`` is its head (a multiple of 8 bytes), the name, and
+#: zeros to the next 8 bytes: the padding by the name's length
+_PADS = tuple(b"\0" * n for n in range(8))
+assert p.DIRENTPLUS_HEAD.size % 8 == 0
 
 
 def _sized(value: bytes, size: int) -> bytes:
