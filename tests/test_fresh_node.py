@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from conftest import wait_for
@@ -136,3 +137,60 @@ def test_a_walk_finds_the_subdirectories_listed_ahead(lake, mounter):
     listdir, walk = read_then_walk("0", None)
     assert walk == subdirs
     assert read_then_walk("256", listdir + subdirs) == (listdir + subdirs, 0)
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every entry below ``root``: type, permission bits, links, size and bytes."""
+    out = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            regular = stat.S_ISREG(st.st_mode)
+            out[os.path.relpath(path, root)] = (
+                stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_nlink,
+                st.st_size if regular else None, Path(path).read_bytes() if regular else None)
+    return out
+
+
+def test_files_other_tools_wrote_change_through_a_mount_as_on_tmpfs(lake, mounter, tmpfs,
+                                                                      aifs_cli):
+    """Objects other tools wrote are kept, once listed, as one record per
+    directory (meta/batches.py) until one of them or their directory changes.
+    Each kind of change to them through the mount (rename in and across
+    directories, unlink, chmod, truncate, a write in place, a hard link, a new
+    file beside them, a move of their directory) shows as on tmpfs: on this
+    mount, and on a mount on an empty cache once synced."""
+    items = {f"ds/d{d}/f{i:02d}": bytes([65 + d, 48 + i]) * (40 + i)
+             for d in range(3) for i in range(8)}
+    lake.put_many(items)
+    ref = Path(tempfile.mkdtemp(dir=tmpfs))
+    for key, data in items.items():
+        (ref / key).parent.mkdir(parents=True, exist_ok=True)
+        (ref / key).write_bytes(data)
+    a = mounter(lake, name="a")
+    assert _tree(a.path / "ds") == _tree(ref / "ds")  # listed: batches of virtual entries
+
+    def changes(root: Path) -> tuple:
+        d0, d1, d2 = root / "ds" / "d0", root / "ds" / "d1", root / "ds" / "d2"
+        os.rename(d0 / "f00", d1 / "moved")
+        os.rename(d1 / "f07", d1 / "renamed")
+        os.unlink(d0 / "f01")
+        os.chmod(d1 / "f02", 0o600)
+        os.truncate(d1 / "f03", 5)
+        with open(d2 / "f04", "r+b") as fp:
+            fp.seek(3)
+            fp.write(b"zz")
+        os.link(d2 / "f05", d0 / "hard")
+        (d2 / "new").write_bytes(b"a new file beside them")
+        os.rename(d2, root / "ds" / "d2b")
+        return sorted(os.listdir(d0)), os.stat(d0 / "hard").st_nlink
+
+    assert changes(a.path) == changes(ref)
+    expected = _tree(ref / "ds")
+    assert _tree(a.path / "ds") == expected
+    result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert result.returncode == 0, result.stderr
+    a.unmount()
+    b = mounter(lake, name="b")
+    assert _tree(b.path / "ds") == expected
