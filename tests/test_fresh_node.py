@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import wait_for
@@ -23,20 +24,24 @@ def lake_requests(path: Path) -> dict[str, int]:
     return json.loads(os.getxattr(path, "user.aifs.metrics"))["lake"]["requests"]
 
 
+def entries(root: Path) -> Iterator[tuple[str, str, os.stat_result]]:
+    """(path relative to ``root``, path, lstat) of every entry below ``root``."""
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            yield os.path.relpath(path, root), path, os.lstat(path)
+
+
 def attributes(root: Path) -> dict[str, tuple]:
     """Every entry below ``root``: type and permission bits, owner, size, mtime,
     symlink target, user xattrs."""
     out = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            st = os.lstat(path)
-            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
-            xattrs = {} if target is not None else {
-                x: os.getxattr(path, x) for x in os.listxattr(path)}
-            size = st.st_size if stat.S_ISREG(st.st_mode) else None
-            out[os.path.relpath(path, root)] = (st.st_mode, st.st_uid, st.st_gid, size,
-                                                st.st_mtime_ns, target, xattrs)
+    for rel, path, st in entries(root):
+        target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+        xattrs = {} if target is not None else {
+            x: os.getxattr(path, x) for x in os.listxattr(path)}
+        size = st.st_size if stat.S_ISREG(st.st_mode) else None
+        out[rel] = (st.st_mode, st.st_uid, st.st_gid, size, st.st_mtime_ns, target, xattrs)
     return out
 
 
@@ -141,16 +146,10 @@ def test_a_walk_finds_the_subdirectories_listed_ahead(lake, mounter):
 
 def _tree(root: Path) -> dict[str, tuple]:
     """Every entry below ``root``: type, permission bits, links, size and bytes."""
-    out = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            st = os.lstat(path)
-            regular = stat.S_ISREG(st.st_mode)
-            out[os.path.relpath(path, root)] = (
-                stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_nlink,
-                st.st_size if regular else None, Path(path).read_bytes() if regular else None)
-    return out
+    return {rel: (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_nlink,
+                  st.st_size if stat.S_ISREG(st.st_mode) else None,
+                  Path(path).read_bytes() if stat.S_ISREG(st.st_mode) else None)
+            for rel, path, st in entries(root)}
 
 
 def test_files_other_tools_wrote_change_through_a_mount_as_on_tmpfs(lake, mounter, tmpfs,
