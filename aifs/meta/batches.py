@@ -294,7 +294,8 @@ class BatchesMixin(StoreBase):
     # -- writes -------------------------------------------------------------------
     def _store_batch(self, txn: lmdb.Transaction, parent: int, dir_key: str, first_ino: int,
                      first_cookie: int, entries: list[Listed]) -> None:
-        """Keep ``entries`` (given ``first_ino``... and cookies in order) as a batch."""
+        """Keep ``entries`` as ``parent``'s batch, numbered in order from
+        ``first_ino`` and ``first_cookie``."""
         head, rows = encode(first_ino, first_cookie, dir_key, entries)
         last = first_ino + len(entries) - 1
         txn.put(u64(parent), head, db=self.batch_heads)
