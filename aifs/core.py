@@ -168,11 +168,7 @@ class Filesystem:
         return self.control.statfs()
 
     # -- lookups and directories (posix.listing) --------------------------------------
-    def remember(self, ino: int) -> None:
-        self.inodes.remember(ino)
-
-    def remember_all(self, inos: list[int]) -> None:
-        """The kernel got one more reference to each of ``inos`` (a READDIRPLUS)."""
+    def remember(self, *inos: int) -> None:  # the kernel got one more reference to each
         self.inodes.remember_all(inos)
 
     def forget(self, items: list[tuple[int, int]]) -> None:

@@ -280,9 +280,21 @@ async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
             # The lake's journals are read while the mount is made: a fresh
             # node's first listing finds the pack index replayed.
             nursery.start_soon(fs.packer.journals.read_ahead)
+            mounted = False
+
+            def stop() -> None:
+                if binding is not None:
+                    binding.terminate()
+                elif not mounted:  # a signal before the mount was made: do not make it
+                    nursery.cancel_scope.cancel()
+
+            # Signals are caught before the mount exists: a SIGTERM the moment
+            # it appears (a stop during start-up) unmounts it, not kills us.
+            await nursery.start(_on_signals, stop)
             await trio.lowlevel.checkpoint()  # (its LIST is on its way)
             try:
                 binding = mount_binding(config, fs, mountpoint, mount_options(config))
+                mounted = True
             except AifsError as exc:  # raised below as itself, not in a group
                 failed = exc
                 nursery.cancel_scope.cancel()
@@ -309,7 +321,6 @@ async def _serve_mounted(config: Config, fs: Filesystem, binding: Binding, cache
     log.info("mounted %s on %s (cache %s, %s binding)", fs.store.description,
              binding.mountpoint, cache_dir, binding.name)
     fs.start(nursery)
-    nursery.start_soon(_on_signals, binding.terminate)
     if config.metrics_port:
         await nursery.start(serve_http, config.metrics_address, config.metrics_port,
                             fs.metrics)
@@ -377,8 +388,10 @@ async def _announce_ready(mountpoint: str, report: Callable[[str], None],
     report("OK")
 
 
-async def _on_signals(terminate: Callable[[], None]) -> None:
+async def _on_signals(terminate: Callable[[], None],
+                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        task_status.started()
         async for signum in signals:
             log.info("signal %s: unmounting", signal.Signals(signum).name)
             terminate()

@@ -12,7 +12,7 @@ import errno
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -179,7 +179,7 @@ class Inodes:
         """The kernel got one more reference to ``ino``."""
         self.lookups.add(ino)
 
-    def remember_all(self, inos: list[int]) -> None:
+    def remember_all(self, inos: Iterable[int]) -> None:
         add = self.lookups.add
         for ino in inos:
             add(ino)

@@ -290,7 +290,7 @@ class Operations:
                     sent.append(inode.ino)
                 cookie = next_cookie
         if sent:  # (counted once the reply is whole: a failed one reaches no kernel)
-            self.fs.remember_all(sent)
+            self.fs.remember(*sent)
         return out
 
     async def releasedir(self, req: Request, body: memoryview) -> Reply:
