@@ -169,7 +169,7 @@ class Filesystem:
 
     # -- lookups and directories (posix.listing) --------------------------------------
     def remember(self, *inos: int) -> None:  # the kernel got one more reference to each
-        self.inodes.remember_all(inos)
+        self.inodes.remember(*inos)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         self.inodes.forget(items)

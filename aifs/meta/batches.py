@@ -24,9 +24,10 @@ and then the records themselves.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import lmdb
@@ -82,8 +83,7 @@ class Batch:
 
     def inode(self, i: int) -> Inode:
         """Entry ``i`` as the record the listing would have written decodes."""
-        return Inode(self.first_ino + i, FILE, self.key(i), self.parent, self.sizes[i],
-                     self.etags[i], int(self.mtimes[i] * 1e9))
+        return listed_inode(self.listed(i), self.first_ino + i, self.parent)
 
     def listed(self, i: int) -> Listed:
         name = self.names[i].decode("utf-8", "surrogateescape")
@@ -132,17 +132,23 @@ def decode(parent: int, head: bytes, rows: bytes) -> Batch:
     return Batch(parent, first_ino, first_cookie, dir_key, names, sizes, mtimes, etags)
 
 
-def entry_records(parent: int, name: bytes, objkey: bytes, entry: Listed, ino: int,
-             cookie: int) -> tuple[tuple[bytes, bytes], ...]:
-    """A listed child's records, as (key, value) of the inode, dentry, cookie
-    and object-key databases (``_entry_dbs``)."""
+def listed_inode(entry: Listed, ino: int, parent: int) -> Inode:
+    """The inode a listed child gets (its record, or made from its batch)."""
     inode = Inode(ino, entry.kind, entry.key, parent, entry.size, entry.etag,
                   int(entry.mtime * 1e9))
     if entry.fields:
         inode.__dict__.update(entry.fields)  # (plain fields: what setattr would do)
+    return inode
+
+
+def entry_records(parent: int, name: bytes, objkey: bytes, entry: Listed, ino: int,
+                  cookie: int) -> tuple[tuple[bytes, bytes], ...]:
+    """A listed child's records, as (key, value) of the inode, dentry, cookie
+    and object-key databases (``_entry_dbs``)."""
     prefix, raw_ino = u64(parent), u64(ino)
-    return ((raw_ino, inode.encode_kept()), (prefix + name, U64X2.pack(ino, cookie)),
-            (prefix + u64(cookie), name), (objkey, raw_ino))
+    return ((raw_ino, listed_inode(entry, ino, parent).encode_kept()),
+            (prefix + name, U64X2.pack(ino, cookie)), (prefix + u64(cookie), name),
+            (objkey, raw_ino))
 
 
 class Writing:
@@ -152,7 +158,7 @@ class Writing:
     def __init__(self, store: BatchesMixin, txn: lmdb.Transaction) -> None:
         self.raw = txn
         self._store = store
-        self._entry_dbs = (store.inodes, store.dentries, store.cookies, store.objkeys)
+        self._entry_dbs = store._entry_dbs()
 
     def get(self, key: bytes, default: object = None, db: object = None) -> object:
         value = self.raw.get(key, db=db)
@@ -176,9 +182,6 @@ class Writing:
         ``_children`` materializes its directory first.)"""
         return self.raw.cursor(db=db)
 
-    def stat(self, db: object) -> dict:
-        return self.raw.stat(db)
-
 
 class BatchesMixin(StoreBase):
     def _init_batches(self, enabled: bool) -> None:
@@ -193,9 +196,31 @@ class BatchesMixin(StoreBase):
             #: no inode number above this is virtual (a bound, never too low)
             self._batched_below = U64.unpack(cursor.key())[0] if cursor.last() else 0
 
-    def _write(self) -> _WriteContext:
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Writing]:
         """A write transaction of the entry databases (see :class:`Writing`)."""
-        return _WriteContext(self)
+        try:
+            with self.env.begin(write=True) as txn:
+                yield Writing(self, txn)
+        except BaseException:
+            self._drop_parsed()  # (a batch parsed inside it may not exist)
+            raise
+
+    def _entry_dbs(self) -> tuple[object, ...]:
+        """The databases of :func:`entry_records`, in its order."""
+        return self.inodes, self.dentries, self.cookies, self.objkeys
+
+    def _put_records(self, txn: lmdb.Transaction, parent: int,
+                     rows: Iterable[tuple[bytes, bytes, Listed, int, int]]) -> None:
+        """The records of listed children (name, key, entry, ino, cookie), in
+        bulk: one ``putmulti`` per database (a third of a ``put`` per record)."""
+        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
+        for name, objkey, entry, ino, cookie in rows:
+            for column, record in zip(columns, entry_records(parent, name, objkey, entry,
+                                                             ino, cookie), strict=True):
+                column.append(record)
+        for db, items in zip(self._entry_dbs(), columns, strict=True):
+            txn.cursor(db=db).putmulti(items)
 
     # -- reads --------------------------------------------------------------------
     def _batch(self, txn: lmdb.Transaction | Writing, parent: int) -> Batch | None:
@@ -321,57 +346,36 @@ class BatchesMixin(StoreBase):
     def _materialize_for(self, txn: lmdb.Transaction, key: bytes, db: object) -> bool:
         """Materialize the batch that holds what ``key`` of entry database
         ``db`` names, if one does; whether one did."""
-        if not self.batches_enabled and not self._batched_below:
+        if not self._batched_below:  # no batch was ever kept
             return False
+        if db is self.dentries or db is self.cookies:  # parent ino ++ ...
+            return self._materialize(txn, U64.unpack(key[:8])[0])
         if db is self.inodes:
             found = self._batch_of_ino(txn, U64.unpack(key[:8])[0])
-            parent = found[0].parent if found else None
-        elif db is self.objkeys:
+        else:
             found = self._virtual_key(txn, bytes(key))
-            parent = found[0].parent if found else None
-        else:  # dentry or cookie: parent ino ++ ...
-            parent = U64.unpack(key[:8])[0]
-        if parent is None or txn.get(u64(parent), db=self.batch_heads) is None:
+        if found is None:
             return False
-        self._materialize(txn, parent)
+        self._expand(txn, found[0])
         return True
 
-    def _materialize(self, txn: lmdb.Transaction, parent: int) -> None:
-        """Turn ``parent``'s batch into the records its listing would have written."""
+    def _materialize(self, txn: lmdb.Transaction, parent: int) -> bool:
+        """Turn ``parent``'s batch, if it has one, into records; whether it had."""
         batch = self._batch(txn, parent)
         if batch is None:
-            return
-        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
+            return False
+        self._expand(txn, batch)
+        return True
+
+    def _expand(self, txn: lmdb.Transaction, batch: Batch) -> None:
+        """``batch`` becomes the records its listing would have written."""
+        rows = []
         for i, name in enumerate(batch.names):
             entry = batch.listed(i)
-            records = entry_records(parent, name, key_bytes(entry.key), entry,
-                               batch.first_ino + i, batch.first_cookie + i)
-            for column, record in zip(columns, records, strict=True):
-                column.append(record)
-        for db, items in zip((self.inodes, self.dentries, self.cookies, self.objkeys),
-                             columns, strict=True):
-            txn.cursor(db=db).putmulti(items)
-        txn.delete(u64(parent), db=self.batch_heads)
-        txn.delete(u64(parent), db=self.batch_rows)
+            rows.append((name, key_bytes(entry.key), entry, batch.first_ino + i,
+                         batch.first_cookie + i))
+        self._put_records(txn, batch.parent, rows)
+        txn.delete(u64(batch.parent), db=self.batch_heads)
+        txn.delete(u64(batch.parent), db=self.batch_rows)
         txn.delete(u64(batch.first_ino + len(batch) - 1), db=self.batch_inos)
-        self._drop_parsed(parent)
-
-
-class _WriteContext:
-    def __init__(self, store: BatchesMixin) -> None:
-        self._store = store
-
-    def __enter__(self) -> Writing:
-        self._txn = self._store.env.begin(write=True)
-        return Writing(self._store, self._txn)
-
-    def __exit__(self, kind: object, value: object, traceback: object) -> None:
-        if kind is None:
-            try:
-                self._txn.commit()
-                return
-            except BaseException:
-                self._store._drop_parsed()
-                raise
-        self._store._drop_parsed()  # (a batch parsed inside it may not exist)
-        self._txn.abort()
+        self._drop_parsed(batch.parent)

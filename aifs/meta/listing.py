@@ -110,10 +110,9 @@ class ListingMixin(BatchesMixin):
         """Link the entries of a directory with no children yet in bulk (a
         directory's first listing: a walk of a big tree does this for every
         file): its plain files as one batch (:mod:`aifs.meta.batches`),
-        numbered first, then the others' records, one ``putmulti`` per
-        database (a third of a ``put`` per record). Return those left to the
-        general path: a key with an inode already (a hard link's name, a
-        moved name), a name or key listed twice."""
+        numbered first, then the others' records (``_put_records``). Return
+        those left to the general path: a key with an inode already (a hard
+        link's name, a moved name), a name or key listed twice."""
         raw = txn.raw  # (no batch here to materialize: the directory has no child)
         left: list[Listed] = []
         seen: set[bytes] = set()
@@ -147,15 +146,10 @@ class ListingMixin(BatchesMixin):
             cookie += len(plain)
         else:
             rest = plain + rest  # (numbered as a batch would be: the same store after)
-        columns: tuple[list[tuple[bytes, bytes]], ...] = ([], [], [], [])
-        for name, objkey, entry in rest:
-            records = entry_records(parent, name, objkey, entry, ino, cookie)
-            for column, record in zip(columns, records, strict=True):
-                column.append(record)
-            ino += 1
-            cookie += 1
-        for db, items in zip(self._entry_dbs(), columns, strict=True):
-            raw.cursor(db=db).putmulti(items)
+        self._put_records(raw, parent, ((name, objkey, entry, ino + i, cookie + i)
+                                        for i, (name, objkey, entry) in enumerate(rest)))
+        ino += len(rest)
+        cookie += len(rest)
         if ino != first_ino:  # (nothing taken: the counters are not written)
             counters.set(SYS_NEXT_INO, ino)
             counters.set(SYS_NEXT_COOKIE, cookie)
@@ -173,10 +167,6 @@ class ListingMixin(BatchesMixin):
         for db, (key, value) in zip(self._entry_dbs(), records, strict=True):
             txn.put(key, value, db=db)
         return ino
-
-    def _entry_dbs(self) -> tuple[object, ...]:
-        """The databases of :func:`entry_records`, in its order."""
-        return self.inodes, self.dentries, self.cookies, self.objkeys
 
     def _deleted_here(self, txn: lmdb.Transaction, objkey: bytes, entry: Listed) -> bool:
         """A listed object this node deleted (its key tombstoned): hidden,

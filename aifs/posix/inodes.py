@@ -12,7 +12,7 @@ import errno
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -175,14 +175,10 @@ class Inodes:
         return False
 
     # -- kernel references and handles ------------------------------------------
-    def remember(self, ino: int) -> None:
-        """The kernel got one more reference to ``ino``."""
-        self.lookups.add(ino)
-
-    def remember_all(self, inos: Iterable[int]) -> None:
-        add = self.lookups.add
+    def remember(self, *inos: int) -> None:
+        """The kernel got one more reference to each of ``inos``."""
         for ino in inos:
-            add(ino)
+            self.lookups.add(ino)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, count in items:

@@ -274,13 +274,12 @@ class Operations:
                 elif plus:  # one pack for the entry, its attributes and the dirent
                     a = attributes(inode)
                     seconds, nanos = timeout(inode)
-                    record = pack(
+                    record = p.padded(pack(
                         a.ino, 0, seconds, seconds, nanos, nanos, *attr_fields(a),
-                        a.ino, next_cookie, len(name), (a.mode & _S_IFMT) >> 12,
-                    ) + name + _PADS[-len(name) % 8]
+                        a.ino, next_cookie, len(name), stat.S_IFMT(a.mode) >> 12) + name)
                 else:
                     a = attributes(inode)
-                    record = p.dirent(a.ino, next_cookie, name, (a.mode & _S_IFMT) >> 12)
+                    record = p.dirent(a.ino, next_cookie, name, stat.S_IFMT(a.mode) >> 12)
                 if len(record) > room:
                     full = True
                     break
@@ -343,11 +342,6 @@ class Operations:
 
 
 DT_DIR = stat.S_IFDIR >> 12
-_S_IFMT = 0o170000
-#: a ``fuse_direntplus`` is its head (a multiple of 8 bytes), the name, and
-#: zeros to the next 8 bytes: the padding by the name's length
-_PADS = tuple(b"\0" * n for n in range(8))
-assert p.DIRENTPLUS_HEAD.size % 8 == 0
 
 
 def _sized(value: bytes, size: int) -> bytes:
