@@ -134,11 +134,11 @@ class Config:
                                   "(FUSE over io_uring: one ring per CPU, each request "
                                   "answered on its caller's CPU; needs Linux 6.14+ with "
                                   "the fuse module's enable_uring on, else 'dev').")
-    dir_prefetch: bool = _option(False, "Fetch the rest of a directory of small objects "
-                                 "ahead of readers going through it (a first epoch), many "
-                                 "GETs at once: for a lake far away (tens of ms per GET). "
-                                 "Where the node's cores are the limit it slows reads "
-                                 "(docs/benchmarks.md).", "bool")
+    dir_prefetch: bool = _option(True, "Fetch the rest of a directory of small objects "
+                                 "ahead of readers going through it (a first epoch, in "
+                                 "order or shuffled), many GETs at once; what is fetched "
+                                 "and not opened yet is at most an eighth of the cache "
+                                 "(256 MiB).", "bool")
     list_ahead: int = _option(0, "Subdirectories of a directory being read that are listed "
                               "in the background, 4 at a time, so a walk (`find`, `du`, a "
                               "DataLoader indexing its dataset) finds them listed (e.g. 256); "

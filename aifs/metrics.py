@@ -148,6 +148,7 @@ class Metrics:
             },
             "prefetch": {"directory_scans": fs.dir_prefetch.scans,
                          "directory_objects": fs.dir_prefetch.fetched,
+                         "directory_peak_bytes": fs.dir_prefetch.peak_bytes,
                          "attributes_ahead": fs.object_attrs.read_ahead},
             "throughput": self.rates(),
         }

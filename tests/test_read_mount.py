@@ -202,24 +202,88 @@ def test_readers_going_through_a_directory_find_the_rest_fetched_ahead(lake, mou
     bodies = {f"o{i:04d}": random.randbytes(16 << 10) for i in range(count)}
     lake.put_many({f"e/{name}": body for name, body in bodies.items()})
     lake.put("other/x", b"y" * 100)  # another directory: not fetched
-    mount = mounter(lake, "--dir-prefetch", "true")
+    mount = mounter(lake)  # on by default
     names = sorted(bodies)
     if order == "shuffled":
         random.Random(7).shuffle(names)
 
-    def metrics() -> tuple[int, int, int]:
+    def metrics() -> tuple[int, int, int, int]:
         m = json.loads(os.getxattr(mount.path, "user.aifs.metrics"))
         return (m["lake"]["requests"]["GetObject"], m["prefetch"]["directory_objects"],
-                m["cache"]["misses"])
+                m["cache"]["misses"], m["prefetch"]["directory_scans"])
 
-    gets, _, _ = metrics()
+    gets, _, _, _ = metrics()
     for name in names[:3]:
         assert (mount.path / "e" / name).read_bytes() == bodies[name]
     wait_for(lambda: metrics()[1] == count - 3, 30, "the rest of the directory to be fetched")
-    _, _, misses = metrics()
+    _, _, misses, _ = metrics()
     for name in names[3:]:
         assert (mount.path / "e" / name).read_bytes() == bodies[name], name
-    assert metrics() == (gets + count, count - 3, misses)  # no reader waited for a GET
+    # no reader waited for a GET, and the opens that found their object fetched
+    # started no scan of their own (each one re-read the directory)
+    assert metrics() == (gets + count, count - 3, misses, 1)
+
+
+def test_what_is_fetched_ahead_is_bounded_across_directories(lake, mounter):
+    """Scans of several directories share one budget (an eighth of the cache):
+    with a 8 MiB cache, at most 1 MiB fetched and not opened yet, whatever the
+    number of directories readers go through; a scan waits for its readers
+    and goes on as they open what it fetched; nothing is fetched twice."""
+    per_dir, size = 60, 16 << 10
+    bodies = {f"d{d}/o{i:04d}": random.randbytes(size) for d in range(3)
+              for i in range(per_dir)}
+    lake.put_many(bodies)
+    mount = mounter(lake, *SMALL_CACHE)
+    names = sorted(bodies)
+    for d in range(3):  # three misses in each directory: three scans
+        for name in names[d * per_dir:d * per_dir + 3]:
+            assert (mount.path / name).read_bytes() == bodies[name]
+    budget = (8 << 20) // 8
+    wait_for(lambda: prefetch_metrics(mount)["ahead"] == budget // size, 30,
+             "the budget to be fetched")
+    for i, name in enumerate(names):  # the readers go on: the scans go on behind them
+        if i % per_dir >= 3:
+            assert (mount.path / name).read_bytes() == bodies[name], name
+    m = prefetch_metrics(mount)
+    assert (m["peak"], m["scans"], m["gets"]) == (budget, 3, len(bodies))
+
+
+def test_a_shuffled_read_of_a_directory_bigger_than_the_budget_is_not_fetched_ahead(
+        lake, mounter):
+    """Readers in a shuffled order open any object next: a directory whose
+    objects do not all fit the budget would have most of what is fetched wait
+    (or be evicted and fetched twice), so only the opened objects are fetched."""
+    bodies = {f"e/o{i:04d}": random.randbytes(16 << 10) for i in range(100)}  # 1.6 MiB
+    lake.put_many(bodies)
+    mount = mounter(lake, *SMALL_CACHE)  # budget 1 MiB
+    names = sorted(bodies)
+    random.Random(3).shuffle(names)
+    for name in names[:20]:
+        assert (mount.path / name).read_bytes() == bodies[name]
+    m = prefetch_metrics(mount)
+    assert (m["gets"], m["scans"], m["ahead"]) == (20, 0, 0)
+
+
+SMALL_CACHE = ("--block-size", "64K", "--cache-size", "8M")
+
+
+def prefetch_metrics(mount) -> dict[str, int]:
+    m = json.loads(os.getxattr(mount.path, "user.aifs.metrics"))
+    return {"gets": m["lake"]["requests"].get("GetObject", 0),
+            "ahead": m["prefetch"]["directory_objects"],
+            "scans": m["prefetch"]["directory_scans"],
+            "peak": m["prefetch"]["directory_peak_bytes"]}
+
+
+def test_dir_prefetch_off_fetches_only_what_is_opened(lake, mounter):
+    bodies = {f"e/o{i:04d}": random.randbytes(4096) for i in range(50)}
+    lake.put_many(bodies)
+    mount = mounter(lake, "--dir-prefetch", "false")
+    for name in sorted(bodies)[:10]:
+        assert (mount.path / name).read_bytes() == bodies[name]
+    m = json.loads(os.getxattr(mount.path, "user.aifs.metrics"))
+    assert m["lake"]["requests"]["GetObject"] == 10
+    assert m["prefetch"]["directory_scans"] == 0
 
 
 def test_xattrs_are_facts(lake, mounter):

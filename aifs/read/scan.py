@@ -7,16 +7,22 @@ opened: one GET after another per reader, the lake's latency each time. Once
 several small objects of one directory are opened within ``WINDOW`` seconds,
 the rest of that directory (from the entry opened on, then from its start) is
 fetched with many GETs at once into the block cache, where the opens that
-follow find it. What is fetched and not opened yet is bounded (``budget``
-bytes): a scan that runs ahead waits for the readers, and one whose readers
-stopped for ``WINDOW`` seconds ends. Packed files are left to the pack's own
-read-ahead (their bytes share one object); large objects to per-file
-read-ahead.
+follow find it. What all scans together fetched and no reader opened yet is
+bounded (``budget`` bytes, a share of the cache): a scan that runs ahead
+waits for the readers, and one whose readers stopped for ``WINDOW`` seconds
+ends and gives its share back. Readers in a shuffled order may open any
+object next, so their directory is scanned only if all of its objects fit
+the budget; readers in order get a scan whatever the directory's size. Only
+opens that miss count towards a scan: a directory fetched ahead is not
+scanned again while its readers find what they open. Packed files are left
+to the pack's own read-ahead (their bytes share one object); large objects
+to per-file read-ahead.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +39,8 @@ OPENS = 3  # small objects of one directory opened within WINDOW seconds: a scan
 WINDOW = 10.0
 BATCH = 256  # entries read from the metadata store at a time
 MAX_DIRECTORIES = 1024  # directories whose opens are counted
+NEAR = 16  # a miss at most this many entries after the one before: readers in order
+RECHECK = 60.0  # seconds before a directory too big for a shuffled scan is weighed again
 
 
 @dataclass
@@ -40,10 +48,11 @@ class _Directory:
     opens: int = 0
     since: float = 0.0
     last: float = 0.0  # the latest open
+    cookie: int = -1  # the latest miss's place in the directory
+    in_order: bool = True  # the misses since ``since`` came in order, each NEAR the last
+    too_big: float = -math.inf  # when a shuffled scan was found not to fit the budget
     running: bool = False
     ahead: dict[str, int] = field(default_factory=dict)  # fetched, not opened: ident -> size
-    ahead_bytes: int = 0
-    progress: trio.Event = field(default_factory=trio.Event)  # set at each open
 
 
 class DirectoryPrefetch:
@@ -57,10 +66,13 @@ class DirectoryPrefetch:
         self.is_local = is_local
         self.clock = clock
         self._dirs: dict[int, _Directory] = {}
+        self.ahead_bytes = 0  # fetched by all scans, not opened yet: at most budget
+        self._progress = trio.Event()  # set when an open takes bytes out of ahead_bytes
         self._slots = trio.Semaphore(at_once)  # GETs of all scans in flight at once
         self._nursery: trio.Nursery | None = None
         self.scans = 0  # scans started (stats)
         self.fetched = 0  # objects fetched ahead of their open (stats)
+        self.peak_bytes = 0  # the most ahead_bytes ever were (stats)
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -84,37 +96,76 @@ class DirectoryPrefetch:
             directory = self._dirs[inode.parent] = _Directory(since=now)
         size = directory.ahead.pop(version.ident, None)
         if size is not None:
-            directory.ahead_bytes -= size
-        directory.progress.set()
-        directory.progress = trio.Event()
+            self._give_back(size)
         directory.last = now
+        if size is not None or self.fetcher.available(version, 0):
+            return  # found fetched: only misses start a scan (not one per few hits)
+        cookie = self.meta.cookie_of(inode.parent, inode.key.rsplit("/", 1)[-1].encode(
+            "utf-8", "surrogateescape")) or 0
         if now - directory.since > WINDOW:
-            directory.opens, directory.since = 0, now
+            directory.opens, directory.since, directory.in_order = 0, now, True
+        elif not 0 < cookie - directory.cookie <= NEAR:
+            directory.in_order = False
+        directory.cookie = cookie
         directory.opens += 1
-        if directory.opens >= OPENS and not directory.running and self._nursery:
-            cookie = self.meta.cookie_of(inode.parent, inode.key.rsplit("/", 1)[-1].encode(
-                "utf-8", "surrogateescape"))
+        if (directory.opens >= OPENS and not directory.running and self._nursery
+                and (directory.in_order or now - directory.too_big > RECHECK)):
             directory.running = True
-            self.scans += 1
-            self._nursery.start_soon(self._scan, inode.parent, directory, cookie or 0)
+            self._nursery.start_soon(self._scan, inode.parent, directory, cookie,
+                                     directory.in_order)
 
     def _forget_idle(self) -> None:
         for ino in [ino for ino, d in self._dirs.items() if not d.running]:
-            del self._dirs[ino]
+            self._give_back(sum(self._dirs.pop(ino).ahead.values()))
 
-    async def _scan(self, parent: int, directory: _Directory, first: int) -> None:
+    def _give_back(self, size: int) -> None:
+        """``size`` bytes fetched ahead are opened (or no reader will come for them)."""
+        if size:
+            self.ahead_bytes -= size
+            self._progress.set()
+            self._progress = trio.Event()
+
+    def _release_stopped(self) -> None:
+        """Give back what was fetched for directories whose readers stopped."""
+        now = self.clock()
+        for directory in self._dirs.values():
+            if directory.ahead and now - directory.last > WINDOW:
+                self._give_back(sum(directory.ahead.values()))
+                directory.ahead.clear()
+
+    async def _scan(self, parent: int, directory: _Directory, first: int,
+                    in_order: bool) -> None:
         """Fetch the small objects of ``parent`` from cookie ``first`` on, then
-        those before it, while readers keep opening them."""
+        those before it, while readers keep opening them. Readers in a shuffled
+        order open any of them next: the scan runs only if all of them fit the
+        budget (else most of what it fetched would wait, or be evicted before
+        its open and fetched twice)."""
         try:
+            if not in_order and not await self._fits(parent):
+                directory.too_big = self.clock()
+                return
+            self.scans += 1
             async with trio.open_nursery() as nursery:
                 for start, stop in ((first, None), (0, first)):
                     if not await self._fetch_range(parent, directory, nursery, start, stop):
                         break
-        finally:
+        finally:  # what it fetched stays counted until opened or its readers stop
             directory.running = False
             directory.opens = 0
-            directory.ahead.clear()
-            directory.ahead_bytes = 0
+
+    async def _fits(self, parent: int) -> bool:
+        """Whether the small objects of ``parent`` not at hand fit the budget."""
+        total, after = 0, 0
+        while batch := self.meta.readdir(parent, after, BATCH):
+            for cookie, _, inode in batch:
+                after = cookie
+                if self._small(inode) and not self.fetcher.available(self.version_of(inode),
+                                                                     0):
+                    total += inode.size
+                    if total > self.budget:
+                        return False
+            await trio.lowlevel.checkpoint()
+        return True
 
     async def _fetch_range(self, parent: int, directory: _Directory,
                            nursery: trio.Nursery, after: int, stop: int | None) -> bool:
@@ -132,23 +183,37 @@ class DirectoryPrefetch:
                 version = self.version_of(inode)
                 if version.source or self.fetcher.available(version, 0):
                     continue
-                while directory.ahead_bytes + inode.size > self.budget:
-                    with trio.move_on_after(WINDOW) as waited:
-                        await directory.progress.wait()
-                    if waited.cancelled_caught:
-                        return False  # the readers stopped (or skip these)
-                if self.clock() - directory.last > WINDOW:
+                if not await self._room(directory, inode.size):
                     return False  # the readers stopped
-                await self._slots.acquire()
                 directory.ahead[version.ident] = inode.size
-                directory.ahead_bytes += inode.size
-                nursery.start_soon(self._fetch_one, version)
+                self.ahead_bytes += inode.size
+                self.peak_bytes = max(self.peak_bytes, self.ahead_bytes)
+                nursery.start_soon(self._fetch_one, directory, version)
 
-    async def _fetch_one(self, version: ObjectVersion) -> None:
+    async def _room(self, directory: _Directory, size: int) -> bool:
+        """Wait for a GET slot and ``size`` bytes of the budget; False once
+        ``directory``'s readers stopped."""
+        while True:
+            while self.ahead_bytes + size > self.budget:
+                if self.clock() - directory.last > WINDOW:
+                    return False
+                self._release_stopped()
+                if self.ahead_bytes + size > self.budget:
+                    with trio.move_on_after(WINDOW):
+                        await self._progress.wait()
+            if self.clock() - directory.last > WINDOW:
+                return False
+            await self._slots.acquire()  # (other scans may take the budget meanwhile)
+            if self.ahead_bytes + size <= self.budget:
+                return True
+            self._slots.release()
+
+    async def _fetch_one(self, directory: _Directory, version: ObjectVersion) -> None:
         try:
             await self.fetcher.fetch_ahead(version, 0)
             self.fetched += 1
         except LakeError as exc:  # the reader that opens it tries again, and says why
             log.debug("prefetch of %s failed: %s", version.key, exc)
+            self._give_back(directory.ahead.pop(version.ident, 0))
         finally:
             self._slots.release()
