@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import trio
 
@@ -35,7 +34,7 @@ from aifs.posix.direct import Direct
 from aifs.posix.files import Files
 from aifs.posix.hosting import Hosting
 from aifs.posix.inodes import Attributes, Inodes
-from aifs.posix.listing import Changes, Listings
+from aifs.posix.listing import READDIR_BATCH, Changes, Listings, PlainEntries
 from aifs.posix.moves import Moves
 from aifs.posix.namespace import Namespace
 from aifs.posix.reads import Reads
@@ -133,14 +132,6 @@ class Filesystem:
     disk_full = _counter("disk_full")
 
     @property
-    def recovered_dir(self) -> Path:
-        return self.recovery.recovered_dir
-
-    @property
-    def recovered_files(self) -> int:
-        return self.recovery.recovered_files
-
-    @property
     def clock(self) -> Callable[[], float]:
         return self.inodes.clock
 
@@ -183,8 +174,12 @@ class Filesystem:
     async def opendir(self, ino: int) -> int:
         return await self.listings.opendir(ino)
 
-    async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
-        return await self.listings.readdir(fh, after_cookie)
+    async def readdir(self, fh: int, after_cookie: int,
+                      limit: int = READDIR_BATCH) -> list[tuple[int, bytes, Inode]]:
+        return await self.listings.readdir(fh, after_cookie, limit)
+
+    def plain_entries(self, fh: int, after_cookie: int) -> PlainEntries | None:
+        return self.listings.plain_entries(fh, after_cookie)
 
     def releasedir(self, fh: int) -> None:
         self.listings.releasedir(fh)

@@ -123,8 +123,8 @@ class Metrics:
                 "evictions": fs.cache.evictions + fs.local.evictions,
                 "disk_full": fs.disk_full,
             },
-            "recovered": {"directory": str(fs.recovered_dir),
-                          "files": fs.recovered_files},
+            "recovered": {"directory": str(fs.recovery.recovered_dir),
+                          "files": fs.recovery.recovered_files},
             "promotion": {
                 "pending_files": queue["files"], "pending_bytes": queue["bytes"],
                 "pending_deletes": queue["deletes"], "uploading": queue["uploading"],

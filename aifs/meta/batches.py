@@ -236,6 +236,17 @@ class BatchesMixin(StoreBase):
             self._keep(batch)
         return batch
 
+    def batch_after(self, parent: int, after_cookie: int) -> tuple[Batch, int] | None:
+        """``parent``'s batch and the index of its entry just after cookie
+        ``after_cookie``, if that entry is batched (read-only: the batch must
+        not be changed); None if it is not."""
+        with self.env.begin() as txn:
+            batch = self._batch(txn, parent)
+        if batch is None:
+            return None
+        start = max(0, after_cookie + 1 - batch.first_cookie)  # (its cookies come first)
+        return (batch, start) if start < len(batch) else None
+
     def _keep(self, batch: Batch) -> None:
         with self._parsed_lock:
             self._parsed.pop(batch.parent, None)

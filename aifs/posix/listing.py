@@ -13,12 +13,14 @@ import errno
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
+from typing import NamedTuple
 
 import trio
 
 from aifs.config import Config
 from aifs.errors import FsError, LakeError
 from aifs.lake.base import ObjectStore
+from aifs.meta.objattrs import st_mode
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
 from aifs.pack.packer import Packer, entry_fields
 from aifs.posix.inodes import Inodes
@@ -31,6 +33,21 @@ Changes = Callable[[int, list[bytes], list[int]], None]
 
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
+
+
+class PlainEntries(NamedTuple):
+    """Directory entries that are files as LIST gave them: the first's cookie
+    and inode number (the others' follow one by one), then per entry its name,
+    size and mtime (LIST's float); mode, owner and group are those of all."""
+
+    cookie: int
+    ino: int
+    names: list[bytes]
+    sizes: list[int]
+    mtimes: list[float]
+    mode: int
+    uid: int
+    gid: int
 STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
 LIST_AHEAD = 4  # subdirectories of a directory being read listed at once, in the background
 
@@ -147,9 +164,10 @@ class Listings:
             else:
                 self._reading[ino] -= 1
 
-    async def readdir(self, fh: int, after_cookie: int) -> list[tuple[int, bytes, Inode]]:
-        """The next batch of (cookie, name, inode) after ``after_cookie``:
-        ``.`` and ``..`` first (cookies 1 and 2), then the entries, whose
+    async def readdir(self, fh: int, after_cookie: int,
+                      limit: int = READDIR_BATCH) -> list[tuple[int, bytes, Inode]]:
+        """The next (cookie, name, inode) after ``after_cookie``: ``.`` and
+        ``..`` first (cookies 1 and 2), then up to ``limit`` entries, whose
         stored cookies are shifted by 2.
 
         readdir reports each entry's type (d_type): an object LIST showed
@@ -159,7 +177,7 @@ class Listings:
         ino = self.inodes.dirs.get(fh)
         if ino is None:
             raise FsError(errno.EBADF)
-        batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
+        batch = self.meta.readdir(ino, max(0, after_cookie - 2), limit)
         for _ in range(3):  # entries that move up into the batch are looked at too
             unknown = [inode for _, _, inode in batch if self.object_attrs.type_unknown(inode)]
             if not unknown:
@@ -175,7 +193,7 @@ class Listings:
                 for inode in unknown:
                     nursery.start_soon(load, inode)
             # A symlink found gets a new inode number (and cookie: it comes later)
-            batch = self.meta.readdir(ino, max(0, after_cookie - 2), READDIR_BATCH)
+            batch = self.meta.readdir(ino, max(0, after_cookie - 2), limit)
         with_written = self.inodes.with_written
         out: list[tuple[int, bytes, Inode]] = []
         if after_cookie < 2:
@@ -186,6 +204,32 @@ class Listings:
             out.append((2, b"..", with_written(parent or directory)))
         out += [(cookie + 2, name, with_written(inode)) for cookie, name, inode in batch]
         return out
+
+    def plain_entries(self, fh: int, after_cookie: int) -> PlainEntries | None:
+        """The entries after ``after_cookie`` that are files of the directory's
+        first listing as LIST gave them (a batch: no inode of their own yet,
+        the default mode and owner), up to the first that is open or being
+        written; None where the next entry is no such file (then ``readdir``).
+        What ``readdir`` would give for them, without an inode each."""
+        ino = self.inodes.dirs.get(fh)
+        if ino is None:
+            raise FsError(errno.EBADF)
+        if after_cookie < 2 or self.config.object_attrs:  # (. and ..; a HEAD each first)
+            return None
+        found = self.meta.batch_after(ino, after_cookie - 2)
+        if found is None:
+            return None
+        batch, start = found
+        end = min(len(batch), start + READDIR_BATCH)
+        busy = [i - batch.first_ino for i in (*self.inodes.opens, *self.inodes.written)
+                if batch.first_ino + start <= i < batch.first_ino + end]
+        end = min(busy, default=end)
+        if end == start:
+            return None
+        return PlainEntries(batch.first_cookie + start + 2, batch.first_ino + start,
+                            batch.names[start:end],
+                            batch.sizes[start:end], batch.mtimes[start:end],
+                            st_mode(Inode(0, FILE, "", 0)), self.inodes.uid, self.inodes.gid)
 
     def releasedir(self, fh: int) -> None:
         self.inodes.dirs.pop(fh, None)
