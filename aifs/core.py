@@ -162,6 +162,9 @@ class Filesystem:
     def remember(self, *inos: int) -> None:  # the kernel got one more reference to each
         self.inodes.remember(*inos)
 
+    def remember_range(self, first: int, count: int) -> None:  # (consecutive numbers)
+        self.inodes.remember_range(first, count)
+
     def forget(self, items: list[tuple[int, int]]) -> None:
         self.inodes.forget(items)
 

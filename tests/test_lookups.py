@@ -12,14 +12,19 @@ from aifs.posix.lookups import DENSE, FULL, PAGE, LookupCounts
 
 @pytest.mark.parametrize("seed", range(6))
 def test_counts_follow_a_dict_through_random_lookups_and_forgets(seed):
-    """Dense runs, scattered numbers, counts past a byte, forgets of more
-    than is held: every count reads as the dict's, and pages go once empty."""
+    """Dense runs, scattered numbers, ranges, counts past a byte, forgets of
+    more than is held: every count reads as the dict's, and pages go once empty."""
     rng = random.Random(seed)
     counts, model = LookupCounts(), {}
     bases = [rng.randrange(1, 1 << 40) for _ in range(4)] + [1, PAGE - 3]
     for _ in range(20000):
         ino = rng.choice(bases) + rng.randrange(3 * PAGE if rng.random() < 0.7 else 1 << 30)
-        if rng.random() < 0.6:
+        if rng.random() < 0.1:  # a READDIRPLUS page of a listing's files
+            length = rng.choice((1, 5, DENSE, 200, PAGE + 7))
+            counts.add_range(ino, length)
+            for i in range(ino, ino + length):
+                model[i] = model.get(i, 0) + 1
+        elif rng.random() < 0.6:
             n = rng.choice((1, 1, 1, 2, FULL, 300))
             counts.add(ino, n)
             model[ino] = model.get(ino, 0) + n

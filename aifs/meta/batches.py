@@ -333,6 +333,12 @@ class BatchesMixin(StoreBase):
         """Keep ``entries`` as ``parent``'s batch, numbered in order from
         ``first_ino`` and ``first_cookie``."""
         head, rows = encode(first_ino, first_cookie, dir_key, entries)
+        # kept parsed for the READDIRPLUS that follows (a batch whose head did not
+        # commit is never used: _batch checks the head's first inode number)
+        self._keep(Batch(parent, first_ino, first_cookie, dir_key,
+                         [entry.name.encode("utf-8", "surrogateescape") for entry in entries],
+                         [entry.size for entry in entries], [entry.mtime for entry in entries],
+                         [entry.etag for entry in entries]))
         last = first_ino + len(entries) - 1
         txn.put(u64(parent), head, db=self.batch_heads)
         txn.put(u64(parent), rows, db=self.batch_rows)

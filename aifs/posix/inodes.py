@@ -180,6 +180,10 @@ class Inodes:
         for ino in inos:
             self.lookups.add(ino)
 
+    def remember_range(self, first: int, count: int) -> None:
+        """The kernel got one more reference to each of ``count`` numbers from ``first``."""
+        self.lookups.add_range(first, count)
+
     def forget(self, items: list[tuple[int, int]]) -> None:
         for ino, count in items:
             if not self.lookups.drop(ino, count):

@@ -21,6 +21,7 @@ PAGE = 1 << BITS  # inode numbers per page
 MASK = PAGE - 1
 DENSE = 32  # numbers held in one page before it is made (a page: ~1.1 KB)
 FULL = 255  # a page byte at this value: the count is in ``_big``
+ONES = b"\1" * PAGE
 
 
 class LookupCounts:
@@ -76,6 +77,26 @@ class LookupCounts:
             if not count:
                 self._held[number] += 1
         self._set(page, ino, page[ino & MASK] + n)
+
+    def add_range(self, first: int, count: int) -> None:
+        """One more reference to each of ``count`` numbers from ``first`` (the
+        files of a READDIRPLUS page from a listing are numbered one by one):
+        where none of them was held, their page's bytes are set in one step."""
+        end = first + count
+        while first < end:
+            number = first >> BITS
+            stop = min(end, (number + 1) << BITS)
+            page = self._pages.get(number)
+            if page is None and self._held.get(number, 0) + stop - first >= DENSE:
+                page = self._make_page(number)
+            low, high = first & MASK, ((stop - 1) & MASK) + 1
+            if page is not None and page.count(0, low, high) == high - low:
+                page[low:high] = ONES[:high - low]
+                self._held[number] = self._held.get(number, 0) + high - low
+            else:
+                for ino in range(first, stop):
+                    self.add(ino)
+            first = stop
 
     def drop(self, ino: int, n: int) -> int:
         """The kernel gave ``n`` references to ``ino`` back; the count left

@@ -256,6 +256,7 @@ class Operations:
         fh, cookie, size, *_ = p.READ_IN.unpack_from(body)
         out: list[bytes] = []
         sent: list[int] = []  # the kernel holds a reference to each entry of a plus reply
+        ranges: list[tuple[int, int]] = []  # (first, count): plain entries sent
         room = size
         attributes, timeout = self.attributes, self.timeout
         pack, attr_fields = p.DIRENTPLUS_HEAD.pack, self.attr_fields
@@ -264,7 +265,10 @@ class Operations:
         while not full:
             rows = self.fs.plain_entries(fh, cookie) if plus else None
             if rows is not None:  # files as listed: packed from the rows, no inode each
-                full, cookie, room = self._pack_plain(rows, out, sent, room)
+                full, packed, room = self._pack_plain(rows, out, room)
+                if packed:
+                    ranges.append((rows.ino, packed))
+                    cookie = rows.cookie + packed - 1
                 continue
             # as many entries as may fit (an inode each); only . and .. where
             # the files that follow may be plain entries
@@ -297,13 +301,15 @@ class Operations:
                 cookie = next_cookie
         if sent:  # (counted once the reply is whole: a failed one reaches no kernel)
             self.fs.remember(*sent)
+        for first, count in ranges:
+            self.fs.remember_range(first, count)
         return out
 
-    def _pack_plain(self, rows: PlainEntries, out: list[bytes], sent: list[int],
+    def _pack_plain(self, rows: PlainEntries, out: list[bytes],
                     room: int) -> tuple[bool, int, int]:
         """READDIRPLUS records of ``rows`` while they fit ``room`` (what
         ``_readdir`` packs for the same entries, byte for byte): whether the
-        reply is full, the cookie of the last entry packed, the room left."""
+        reply is full, how many entries were packed, the room left."""
         seconds, nanos = self.ttl
         pack, blksize = p.DIRENTPLUS_HEAD.pack, self.blksize
         mode, uid, gid = rows.mode, rows.uid & 0xFFFFFFFF, rows.gid & 0xFFFFFFFF
@@ -315,13 +321,12 @@ class Operations:
                 s, s, s, ns, ns, ns, mode, 1, uid, gid, 0, blksize, 0,
                 ino, cookie, len(name), DT_REG) + name)
             if len(record) > room:
-                return True, cookie - 1, room
+                return True, ino - rows.ino, room
             out.append(record)
             room -= len(record)
-            sent.append(ino)
             ino += 1
             cookie += 1
-        return False, cookie - 1, room
+        return False, ino - rows.ino, room
 
     async def releasedir(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.RELEASE_IN.unpack_from(body)
