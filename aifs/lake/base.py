@@ -12,17 +12,23 @@ tries again.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
+
+NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
+class ObjectInfo(NamedTuple):
+    """An object as LIST or HEAD tells it (a named tuple: a LIST makes one per
+    object, and a frozen dataclass's constructor cost 0.7 us of that)."""
+
     key: str
     size: int
     etag: str
     mtime: float
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: Mapping[str, str] = NO_METADATA
 
 
 @dataclass

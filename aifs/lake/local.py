@@ -312,27 +312,26 @@ class LocalStore(ObjectStore):
         out.sort(key=lambda e: e if isinstance(e, str) else e.key)
         return out
 
-    def _visible(self, dir_key: str, name: str) -> bool:
-        if name.startswith(TMP_PREFIX):
-            return False
-        return not (self.prefix + dir_key == "" and name == STAGING)
-
     def _scan(self, directory: str, dir_key: str, start: str,
               out: list[ObjectInfo | str]) -> None:
         try:
             it = os.scandir(directory)
         except (FileNotFoundError, NotADirectoryError):
             return
+        top = self.prefix + dir_key == ""
         with it:
-            for entry in it:
+            for entry in it:  # (once per object of a walk: what _info does, inline)
                 name = entry.name
-                if not name.startswith(start) or not self._visible(dir_key, name):
+                if not name.startswith(start) or name.startswith(TMP_PREFIX) or (
+                        top and name == STAGING):
                     continue
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         out.append(dir_key + name + "/")
                     elif entry.is_file(follow_symlinks=False):
-                        out.append(self._info(dir_key + name, entry.path, entry.stat(), False))
+                        st = entry.stat()
+                        out.append(ObjectInfo(dir_key + name, st.st_size, _etag(st),
+                                              st.st_mtime))
                 except FileNotFoundError:
                     continue
 

@@ -18,6 +18,7 @@ import json
 import logging
 import stat
 import urllib.parse
+from collections.abc import Mapping
 
 from aifs.meta.inode import BLK, CHR, DIR, FIFO, FILE, LINK, SOCK, SPECIAL, Inode
 
@@ -92,7 +93,7 @@ def to_metadata(inode: Inode, uid: int, gid: int) -> dict[str, str]:
     return meta
 
 
-def apply_metadata(inode: Inode, meta: dict[str, str]) -> None:
+def apply_metadata(inode: Inode, meta: Mapping[str, str]) -> None:
     """Fill ``inode``'s attributes from an object's metadata (what is valid)."""
     try:
         if "mode" in meta:
