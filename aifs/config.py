@@ -139,12 +139,10 @@ class Config:
                                  "order or shuffled), many GETs at once; what is fetched "
                                  "and not opened yet is at most an eighth of the cache "
                                  "(256 MiB).", "bool")
-    list_ahead: int = _option(0, "Subdirectories of a directory being read that are listed "
-                              "in the background, 4 at a time, so a walk (`find`, `du`, a "
-                              "DataLoader indexing its dataset) finds them listed (e.g. 256); "
-                              "0: none. For a lake far away (tens of ms per LIST); where the "
-                              "node's cores are the limit it does not pay "
-                              "(docs/benchmarks.md).", "int")
+    list_ahead: int = _option(2, "When a walker (`find`, `du`, `os.walk`, a DataLoader "
+                              "indexing its dataset) opens a subdirectory, the next this "
+                              "many of its siblings (in readdir order) are listed in the "
+                              "background, so that it finds them listed; 0: none.", "int")
     object_attrs: bool = _option(False, "Read the POSIX attributes (mode, owner, mtime, "
                                  "symlinks) of objects other tools wrote (s3fs's metadata) "
                                  "with one HEAD per object on its first lookup. Off, they "

@@ -49,7 +49,9 @@ class PlainEntries(NamedTuple):
     uid: int
     gid: int
 STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
-LIST_AHEAD = 4  # subdirectories of a directory being read listed at once, in the background
+LIST_AHEAD = 4  # directories listed ahead of walkers at once, in the background
+SIBLINGS_KEPT = 1024  # directories whose subdirectories' order is kept for list_ahead
+SIBLINGS_MAX = 65536  # subdirectories of one directory kept in that order, at most
 
 
 class Listings:
@@ -65,9 +67,10 @@ class Listings:
         self._listing: dict[int, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._warned: set[str] = set()
-        # directories read (opendir) or listed ahead -> their subdirectories' names
+        # directories read (opendir) or listed ahead -> their subdirectories' names,
+        # in readdir order, and where each is in it
         self._reading: dict[int, int] = {}  # ino -> listings of it asked for a read
-        self._subdirs: dict[int, list[str]] = {}
+        self._subdirs: dict[int, tuple[list[str], dict[str, int]]] = {}
         self._ahead = trio.CapacityLimiter(LIST_AHEAD)
         #: told what a refresh found another writer changed: (directory, names
         #: that came or went, inodes replaced); the kernel binding drops its caches
@@ -122,24 +125,28 @@ class Listings:
     # -- directories ----------------------------------------------------------
     async def opendir(self, ino: int) -> int:
         directory = self.inodes.directory(ino)
+        self._list_ahead(directory)
         with self._read(ino):
             await self.ensure_listed(directory)
-        self._list_ahead(ino)
         fh = next(self.inodes.handles)
         self.inodes.dirs[fh] = ino
         return fh
 
-    def _list_ahead(self, ino: int) -> None:
-        """A directory being read is likely walked (``find``, ``du``, a
-        DataLoader indexing its dataset), and a walker lists one directory
-        after another: the subdirectories its listing found are listed in the
-        background, LIST_AHEAD at a time, so the walker finds them listed.
-        Their own subdirectories follow when they are read in turn."""
-        names = self._subdirs.pop(ino, None)
-        if not names or self._nursery is None or not self.config.metadata_ttl:
+    def _list_ahead(self, directory: Inode) -> None:
+        """A walker (``find``, ``du``, ``os.walk``, a DataLoader indexing its
+        dataset) opens one subdirectory after another, in readdir order: when
+        it opens one, the next ``list_ahead`` of its siblings are listed in
+        the background (LIST_AHEAD at a time), so that it finds them listed
+        while it reads this one. A plain ``ls`` of their parent lists none."""
+        siblings = self._subdirs.get(directory.parent)
+        if siblings is None or self._nursery is None or not self.config.metadata_ttl:
             return  # (with no TTL a listing is never kept: the reader lists again)
-        for name in names:
-            child = self.meta.lookup(ino, name.encode("utf-8", "surrogateescape"))
+        names, where = siblings
+        at = where.get(directory.key[:-1].rpartition("/")[2])
+        if at is None:
+            return
+        for name in names[at + 1:at + 1 + self.config.list_ahead]:
+            child = self.meta.lookup(directory.parent, name.encode("utf-8", "surrogateescape"))
             if child is not None and child.is_dir and not self.fresh(child) \
                     and child.ino not in self._listing:
                 self._nursery.start_soon(self._ahead_of_reader, child.ino)
@@ -327,9 +334,12 @@ class Listings:
         self.inodes.subdir_counts.pop(directory.ino, None)
         if directory.ino in self._reading and self.config.list_ahead:
             subdirs = [name for name, entry in entries.items() if entry.kind == DIR]
-            self._subdirs[directory.ino] = subdirs[:self.config.list_ahead]
-            if len(self._subdirs) > 1024:  # listed ahead and never read
-                self._subdirs.pop(next(iter(self._subdirs)))
+            self._subdirs.pop(directory.ino, None)
+            if subdirs:
+                del subdirs[SIBLINGS_MAX:]
+                self._subdirs[directory.ino] = (subdirs, {n: i for i, n in enumerate(subdirs)})
+                if len(self._subdirs) > SIBLINGS_KEPT:
+                    self._subdirs.pop(next(iter(self._subdirs)))
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     async def _list_pages(self, directory: Inode, prefix: str, started: float,
