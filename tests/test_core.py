@@ -431,3 +431,53 @@ async def test_a_marker_renamed_into_place_is_published_only_as_of_the_rename(tm
         fs.meta.update(model, pending=0)  # the model reached the lake; rng_state.pth not yet
         assert fs.hosting.older_marker_version(fs.meta.get(marker)) is None
         nursery.cancel_scope.cancel()
+
+
+async def test_a_listing_that_failed_for_another_caller_is_tried_again_not_served_empty(
+        tmp_path, nursery):
+    """Two callers want a directory never listed (a walker and the listing
+    ahead of it, or two programs): the LIST of the first fails. The first gets
+    the error; the second lists it again itself: never an empty directory."""
+    import trio.testing
+
+    from aifs.errors import LakeError, LakeUnavailable
+
+    (tmp_path / "lake" / "d").mkdir(parents=True)
+    for name in ("a", "b"):
+        (tmp_path / "lake" / "d" / name).write_bytes(b"x")
+    release = trio.Event()
+
+    class FailsOnce(LocalStore):
+        failed = False
+
+        async def iter_list(self, prefix, delimiter="/"):
+            if prefix == "d/" and not self.failed:
+                self.failed = True
+                await release.wait()
+                raise LakeUnavailable("the connection was reset", "connection")
+            async for page in super().iter_list(prefix, delimiter):
+                yield page
+
+    config = Config(lake=f"file://{tmp_path}/lake", metadata_ttl=60)
+    fs = Filesystem(config, FailsOnce(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", 1 << 26), LocalFiles(tmp_path / "cache"))
+    fs.start(nursery)
+    d = await fs.lookup(ROOT_INO, b"d")
+    seen: dict[int, object] = {}
+
+    async def reader(i: int) -> None:
+        try:
+            fh = await fs.opendir(d.ino)
+        except LakeError as exc:
+            seen[i] = exc
+            return
+        seen[i] = sorted(name for _, name, _ in await fs.readdir(fh, 2))
+
+    async with trio.open_nursery() as readers:
+        readers.start_soon(reader, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        readers.start_soon(reader, 1)  # waits for the first one's listing
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+    assert isinstance(seen[0], LakeUnavailable)
+    assert seen[1] == [b"a", b"b"]

@@ -287,6 +287,8 @@ class Listings:
             if refreshed is None:
                 raise FsError(errno.ENOENT)
             if refreshed.listed_at == directory.listed_at:
+                if not directory.listed_at:
+                    continue  # failed for another caller, and never listed: try it here
                 return refreshed  # the listing failed for another waiter: serve what we have
             directory = refreshed
             if directory.listed_at >= called:
