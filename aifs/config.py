@@ -139,7 +139,7 @@ class Config:
                                  "order or shuffled), many GETs at once; what is fetched "
                                  "and not opened yet is at most an eighth of the cache "
                                  "(256 MiB).", "bool")
-    list_ahead: int = _option(2, "When a walker (`find`, `du`, `os.walk`, a DataLoader "
+    list_ahead: int = _option(1, "When a walker (`find`, `du`, `os.walk`, a DataLoader "
                               "indexing its dataset) opens a subdirectory, the next this "
                               "many of its siblings (in readdir order) are listed in the "
                               "background, so that it finds them listed; 0: none.", "int")
