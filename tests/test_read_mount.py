@@ -264,6 +264,23 @@ def test_a_shuffled_read_of_a_directory_bigger_than_the_budget_is_not_fetched_ah
     assert (m["gets"], m["scans"], m["ahead"]) == (20, 0, 0)
 
 
+def test_readers_in_order_from_the_middle_of_a_big_directory_get_it_fetched_ahead(
+        lake, mounter):
+    """Readers in order (two interleaved, starting half way) through a
+    directory bigger than the budget: a scan runs ahead of them all the same
+    (bounded by the budget), and nothing is fetched twice."""
+    bodies = {f"e/o{i:04d}": random.randbytes(16 << 10) for i in range(160)}  # 2.5 MiB
+    lake.put_many(bodies)
+    mount = mounter(lake, *SMALL_CACHE)  # budget 1 MiB
+    names = sorted(bodies)[80:]
+    for a, b in zip(names[0::2], names[1::2], strict=True):  # two readers, interleaved
+        assert (mount.path / a).read_bytes() == bodies[a]
+        assert (mount.path / b).read_bytes() == bodies[b]
+    m = prefetch_metrics(mount)
+    assert m["scans"] >= 1 and m["ahead"] > 0
+    assert m["gets"] == len(names)
+
+
 SMALL_CACHE = ("--block-size", "64K", "--cache-size", "8M")
 
 

@@ -50,8 +50,7 @@ class PlainEntries(NamedTuple):
     gid: int
 STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
 LIST_AHEAD = 4  # directories listed ahead of walkers at once, in the background
-SIBLINGS_KEPT = 1024  # directories whose subdirectories' order is kept for list_ahead
-SIBLINGS_MAX = 65536  # subdirectories of one directory kept in that order, at most
+SIBLINGS_KEPT = 131072  # names of subdirectories kept in readdir order for list_ahead
 
 
 class Listings:
@@ -71,6 +70,7 @@ class Listings:
         # in readdir order, and where each is in it
         self._reading: dict[int, int] = {}  # ino -> listings of it asked for a read
         self._subdirs: dict[int, tuple[list[str], dict[str, int]]] = {}
+        self._subdir_names = 0  # names held in _subdirs, at most SIBLINGS_KEPT
         self._ahead = trio.CapacityLimiter(LIST_AHEAD)
         #: told what a refresh found another writer changed: (directory, names
         #: that came or went, inodes replaced); the kernel binding drops its caches
@@ -138,9 +138,10 @@ class Listings:
         it opens one, the next ``list_ahead`` of its siblings are listed in
         the background (LIST_AHEAD at a time), so that it finds them listed
         while it reads this one. A plain ``ls`` of their parent lists none."""
-        siblings = self._subdirs.get(directory.parent)
+        siblings = self._subdirs.pop(directory.parent, None)
         if siblings is None or self._nursery is None or not self.config.metadata_ttl:
             return  # (with no TTL a listing is never kept: the reader lists again)
+        self._subdirs[directory.parent] = siblings  # the last used is kept longest
         names, where = siblings
         at = where.get(directory.key[:-1].rpartition("/")[2])
         if at is None:
@@ -228,9 +229,13 @@ class Listings:
             return None
         batch, start = found
         end = min(len(batch), start + READDIR_BATCH)
-        busy = [i - batch.first_ino for i in (*self.inodes.opens, *self.inodes.written)
-                if batch.first_ino + start <= i < batch.first_ino + end]
-        end = min(busy, default=end)
+        first, opens, written = batch.first_ino, self.inodes.opens, self.inodes.written
+        if len(opens) + len(written) < end - start:
+            busy = [i - first for i in (*opens, *written) if first + start <= i < first + end]
+            end = min(busy, default=end)
+        else:
+            end = next((i for i in range(start, end)
+                        if first + i in opens or first + i in written), end)
         if end == start:
             return None
         return PlainEntries(batch.first_cookie + start + 2, batch.first_ino + start,
@@ -272,6 +277,7 @@ class Listings:
         A listing that started after this call did is fresh enough for it,
         whatever the TTL (with ``metadata_ttl`` 0 every call lists once)."""
         called = self.inodes.clock()
+        retried = False
         while not self.fresh(directory):
             pending = self._listing.get(directory.ino)
             if pending is not None:
@@ -287,8 +293,10 @@ class Listings:
             if refreshed is None:
                 raise FsError(errno.ENOENT)
             if refreshed.listed_at == directory.listed_at:
-                if not directory.listed_at:
-                    continue  # failed for another caller, and never listed: try it here
+                if not (directory.listed_at or retried
+                        or self.meta.readdir(directory.ino, 0, 1)):
+                    retried = True
+                    continue  # failed for another caller, and nothing known: try it here
                 return refreshed  # the listing failed for another waiter: serve what we have
             directory = refreshed
             if directory.listed_at >= called:
@@ -336,12 +344,14 @@ class Listings:
         self.inodes.subdir_counts.pop(directory.ino, None)
         if directory.ino in self._reading and self.config.list_ahead:
             subdirs = [name for name, entry in entries.items() if entry.kind == DIR]
-            self._subdirs.pop(directory.ino, None)
+            dropped = self._subdirs.pop(directory.ino, None)
+            self._subdir_names -= len(dropped[0]) if dropped else 0
+            del subdirs[SIBLINGS_KEPT:]
             if subdirs:
-                del subdirs[SIBLINGS_MAX:]
                 self._subdirs[directory.ino] = (subdirs, {n: i for i, n in enumerate(subdirs)})
-                if len(self._subdirs) > SIBLINGS_KEPT:
-                    self._subdirs.pop(next(iter(self._subdirs)))
+                self._subdir_names += len(subdirs)
+                while self._subdir_names > SIBLINGS_KEPT:  # the least recently used go
+                    self._subdir_names -= len(self._subdirs.pop(next(iter(self._subdirs)))[0])
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     async def _list_pages(self, directory: Inode, prefix: str, started: float,

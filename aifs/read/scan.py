@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,7 +40,8 @@ OPENS = 3  # small objects of one directory opened within WINDOW seconds: a scan
 WINDOW = 10.0
 BATCH = 256  # entries read from the metadata store at a time
 MAX_DIRECTORIES = 1024  # directories whose opens are counted
-NEAR = 16  # a miss at most this many entries after the one before: readers in order
+NEAR = 4  # a miss at most this many entries after a recent one: readers in order
+RECENT = 8  # misses remembered per directory (several readers in order interleave)
 RECHECK = 60.0  # seconds before a directory too big for a shuffled scan is weighed again
 
 
@@ -48,11 +50,18 @@ class _Directory:
     opens: int = 0
     since: float = 0.0
     last: float = 0.0  # the latest open
-    cookie: int = -1  # the latest miss's place in the directory
-    in_order: bool = True  # the misses since ``since`` came in order, each NEAR the last
+    near: int = 0  # misses since ``since`` that came NEAR after a recent one
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # their cookies
     too_big: float = -math.inf  # when a shuffled scan was found not to fit the budget
     running: bool = False
-    ahead: dict[str, int] = field(default_factory=dict)  # fetched, not opened: ident -> size
+    # fetched and not opened yet, in the order fetched: ident -> (size, when)
+    ahead: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    @property
+    def in_order(self) -> bool:
+        """Three in four misses came just after a recent one: readers going
+        through in order (one, or several interleaved), not shuffled."""
+        return self.opens > 1 and 4 * self.near >= 3 * (self.opens - 1)
 
 
 class DirectoryPrefetch:
@@ -94,29 +103,32 @@ class DirectoryPrefetch:
             if len(self._dirs) >= MAX_DIRECTORIES:
                 self._forget_idle()
             directory = self._dirs[inode.parent] = _Directory(since=now)
-        size = directory.ahead.pop(version.ident, None)
-        if size is not None:
-            self._give_back(size)
+        fetched = directory.ahead.pop(version.ident, None)
+        if fetched is not None:
+            self._give_back(fetched[0])
         directory.last = now
-        if size is not None or self.fetcher.available(version, 0):
+        if fetched is not None or self.fetcher.available(version, 0):
             return  # found fetched: only misses start a scan (not one per few hits)
         cookie = self.meta.cookie_of(inode.parent, inode.key.rsplit("/", 1)[-1].encode(
             "utf-8", "surrogateescape")) or 0
         if now - directory.since > WINDOW:
-            directory.opens, directory.since, directory.in_order = 0, now, True
-        elif not 0 < cookie - directory.cookie <= NEAR:
-            directory.in_order = False
-        directory.cookie = cookie
+            directory.opens, directory.near, directory.since = 0, 0, now
+            directory.recent.clear()
+        if any(0 < cookie - earlier <= NEAR for earlier in directory.recent):
+            directory.near += 1
+        directory.recent.append(cookie)
         directory.opens += 1
+        in_order = directory.in_order
         if (directory.opens >= OPENS and not directory.running and self._nursery
-                and (directory.in_order or now - directory.too_big > RECHECK)):
+                and (in_order or now - directory.too_big > RECHECK)):
             directory.running = True
-            self._nursery.start_soon(self._scan, inode.parent, directory, cookie,
-                                     directory.in_order)
+            # from the earliest recent miss: readers in order that interleave are behind it
+            self._nursery.start_soon(self._scan, inode.parent, directory,
+                                     min(directory.recent), in_order)
 
     def _forget_idle(self) -> None:
         for ino in [ino for ino, d in self._dirs.items() if not d.running]:
-            self._give_back(sum(self._dirs.pop(ino).ahead.values()))
+            self._give_back(sum(size for size, _ in self._dirs.pop(ino).ahead.values()))
 
     def _give_back(self, size: int) -> None:
         """``size`` bytes fetched ahead are opened (or no reader will come for them)."""
@@ -125,28 +137,41 @@ class DirectoryPrefetch:
             self._progress.set()
             self._progress = trio.Event()
 
-    def _release_stopped(self) -> None:
-        """Give back what was fetched for directories whose readers stopped."""
+    def _release_stale(self) -> None:
+        """Give back what was fetched for directories whose readers stopped, and
+        what no reader opened within WINDOW of its fetch (files the readers
+        skip, as the ``.json`` beside each ``.jpg`` they read): one directory's
+        leftovers must not hold every scan back."""
         now = self.clock()
         for directory in self._dirs.values():
             if directory.ahead and now - directory.last > WINDOW:
-                self._give_back(sum(directory.ahead.values()))
+                self._give_back(sum(size for size, _ in directory.ahead.values()))
                 directory.ahead.clear()
+                continue
+            stale = []
+            for ident, (_, when) in directory.ahead.items():  # oldest first
+                if now - when <= WINDOW:
+                    break
+                stale.append(ident)
+            for ident in stale:
+                self._give_back(directory.ahead.pop(ident)[0])
 
     async def _scan(self, parent: int, directory: _Directory, first: int,
                     in_order: bool) -> None:
-        """Fetch the small objects of ``parent`` from cookie ``first`` on, then
-        those before it, while readers keep opening them. Readers in a shuffled
-        order open any of them next: the scan runs only if all of them fit the
-        budget (else most of what it fetched would wait, or be evicted before
-        its open and fetched twice)."""
+        """Fetch the small objects of ``parent`` from cookie ``first`` on (for
+        shuffled readers, then those before it), while readers keep opening
+        them. Readers in a shuffled order open any of them next: the scan runs
+        only if all of them fit the budget (else most of what it fetched would
+        wait, or be evicted before its open and fetched twice)."""
         try:
             if not in_order and not await self._fits(parent):
                 directory.too_big = self.clock()
                 return
             self.scans += 1
             async with trio.open_nursery() as nursery:
-                for start, stop in ((first, None), (0, first)):
+                # (readers in order that began part way through end at the end)
+                parts = ((first, None),) if in_order else ((first, None), (0, first))
+                for start, stop in parts:
                     if not await self._fetch_range(parent, directory, nursery, start, stop):
                         break
         finally:  # what it fetched stays counted until opened or its readers stop
@@ -183,9 +208,14 @@ class DirectoryPrefetch:
                 version = self.version_of(inode)
                 if version.source or self.fetcher.available(version, 0):
                     continue
+                if inode.size > self.budget:
+                    continue  # (a cache of a few blocks: larger than all it may fetch ahead)
                 if not await self._room(directory, inode.size):
                     return False  # the readers stopped
-                directory.ahead[version.ident] = inode.size
+                earlier = directory.ahead.pop(version.ident, None)  # fetched, then evicted
+                if earlier is not None:
+                    self._give_back(earlier[0])
+                directory.ahead[version.ident] = (inode.size, self.clock())
                 self.ahead_bytes += inode.size
                 self.peak_bytes = max(self.peak_bytes, self.ahead_bytes)
                 nursery.start_soon(self._fetch_one, directory, version)
@@ -197,7 +227,7 @@ class DirectoryPrefetch:
             while self.ahead_bytes + size > self.budget:
                 if self.clock() - directory.last > WINDOW:
                     return False
-                self._release_stopped()
+                self._release_stale()
                 if self.ahead_bytes + size > self.budget:
                     with trio.move_on_after(WINDOW):
                         await self._progress.wait()
@@ -214,6 +244,6 @@ class DirectoryPrefetch:
             self.fetched += 1
         except LakeError as exc:  # the reader that opens it tries again, and says why
             log.debug("prefetch of %s failed: %s", version.key, exc)
-            self._give_back(directory.ahead.pop(version.ident, 0))
+            self._give_back(directory.ahead.pop(version.ident, (0, 0.0))[0])
         finally:
             self._slots.release()
