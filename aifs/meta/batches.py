@@ -99,16 +99,16 @@ def batchable(entry: Listed, dir_key: str) -> bool:
         and len(entry.key.encode("utf-8", "surrogateescape")) <= KEY_RAW_MAX
 
 
-def encode(first_ino: int, first_cookie: int, dir_key: str,
-           entries: list[Listed]) -> tuple[bytes, bytes]:
-    head = HEAD.pack(first_ino, first_cookie, len(entries)) + dir_key.encode(
+def encode(batch: Batch) -> tuple[bytes, bytes]:
+    """A batch's head and rows, as stored."""
+    head = HEAD.pack(batch.first_ino, batch.first_cookie, len(batch)) + batch.dir_key.encode(
         "utf-8", "surrogateescape")
     parts = []
     pack = ROW.pack
-    for entry in entries:
-        name = entry.name.encode("utf-8", "surrogateescape")
-        etag = entry.etag.encode("utf-8", "surrogateescape")
-        parts.append(pack(entry.size, entry.mtime, len(name), len(etag)) + name + etag)
+    for name, size, mtime, etag in zip(batch.names, batch.sizes, batch.mtimes, batch.etags,
+                                       strict=True):
+        raw_etag = etag.encode("utf-8", "surrogateescape")
+        parts.append(pack(size, mtime, len(name), len(raw_etag)) + name + raw_etag)
     return head, b"".join(parts)
 
 
@@ -332,13 +332,14 @@ class BatchesMixin(StoreBase):
                      first_cookie: int, entries: list[Listed]) -> None:
         """Keep ``entries`` as ``parent``'s batch, numbered in order from
         ``first_ino`` and ``first_cookie``."""
-        head, rows = encode(first_ino, first_cookie, dir_key, entries)
+        batch = Batch(parent, first_ino, first_cookie, dir_key,
+                      [entry.name.encode("utf-8", "surrogateescape") for entry in entries],
+                      [entry.size for entry in entries], [entry.mtime for entry in entries],
+                      [entry.etag for entry in entries])
+        head, rows = encode(batch)
         # kept parsed for the READDIRPLUS that follows (a batch whose head did not
         # commit is never used: _batch checks the head's first inode number)
-        self._keep(Batch(parent, first_ino, first_cookie, dir_key,
-                         [entry.name.encode("utf-8", "surrogateescape") for entry in entries],
-                         [entry.size for entry in entries], [entry.mtime for entry in entries],
-                         [entry.etag for entry in entries]))
+        self._keep(batch)
         last = first_ino + len(entries) - 1
         txn.put(u64(parent), head, db=self.batch_heads)
         txn.put(u64(parent), rows, db=self.batch_rows)

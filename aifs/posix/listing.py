@@ -8,11 +8,10 @@ directory behind it (up to ``STALE_SERVED`` TTLs); an unknown name waits.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import trio
@@ -20,7 +19,7 @@ import trio
 from aifs.config import Config
 from aifs.errors import FsError, LakeError
 from aifs.lake.base import ObjectStore
-from aifs.meta.objattrs import st_mode
+from aifs.meta.objattrs import default_mode, type_bits
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
 from aifs.pack.packer import Packer, entry_fields
 from aifs.posix.inodes import Inodes
@@ -33,6 +32,10 @@ Changes = Callable[[int, list[bytes], list[int]], None]
 
 RESERVED_PREFIX = ".aifs"
 READDIR_BATCH = 1000
+STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
+LIST_AHEAD = 4  # directories listed ahead of walkers at once, in the background
+SIBLINGS_LOOKED_AT = 8  # entries after an opened directory looked at per list_ahead
+PLAIN_MODE = type_bits(FILE) | default_mode(FILE)  # a file as LIST gave it
 
 
 class PlainEntries(NamedTuple):
@@ -48,9 +51,6 @@ class PlainEntries(NamedTuple):
     mode: int
     uid: int
     gid: int
-STALE_SERVED = 2  # known entries are answered up to this many TTLs, refreshed behind
-LIST_AHEAD = 4  # directories listed ahead of walkers at once, in the background
-SIBLINGS_KEPT = 131072  # names of subdirectories kept in readdir order for list_ahead
 
 
 class Listings:
@@ -66,11 +66,6 @@ class Listings:
         self._listing: dict[int, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._warned: set[str] = set()
-        # directories read (opendir) or listed ahead -> their subdirectories' names,
-        # in readdir order, and where each is in it
-        self._reading: dict[int, int] = {}  # ino -> listings of it asked for a read
-        self._subdirs: dict[int, tuple[list[str], dict[str, int]]] = {}
-        self._subdir_names = 0  # names held in _subdirs, at most SIBLINGS_KEPT
         self._ahead = trio.CapacityLimiter(LIST_AHEAD)
         #: told what a refresh found another writer changed: (directory, names
         #: that came or went, inodes replaced); the kernel binding drops its caches
@@ -126,8 +121,7 @@ class Listings:
     async def opendir(self, ino: int) -> int:
         directory = self.inodes.directory(ino)
         self._list_ahead(directory)
-        with self._read(ino):
-            await self.ensure_listed(directory)
+        await self.ensure_listed(directory)
         fh = next(self.inodes.handles)
         self.inodes.dirs[fh] = ino
         return fh
@@ -135,42 +129,33 @@ class Listings:
     def _list_ahead(self, directory: Inode) -> None:
         """A walker (``find``, ``du``, ``os.walk``, a DataLoader indexing its
         dataset) opens one subdirectory after another, in readdir order: when
-        it opens one, the next ``list_ahead`` of its siblings are listed in
-        the background (LIST_AHEAD at a time), so that it finds them listed
-        while it reads this one. A plain ``ls`` of their parent lists none."""
-        siblings = self._subdirs.pop(directory.parent, None)
-        if siblings is None or self._nursery is None or not self.config.metadata_ttl:
+        it opens one, the next ``list_ahead`` subdirectories after it in its
+        parent (cookie order, the order readdir gives; among the next
+        SIBLINGS_LOOKED_AT entries) are listed in the background (LIST_AHEAD at
+        a time), so that it finds them listed while it reads this one."""
+        wanted = self.config.list_ahead
+        if not wanted or directory.ino == ROOT_INO or self._nursery is None \
+                or not self.config.metadata_ttl:
             return  # (with no TTL a listing is never kept: the reader lists again)
-        self._subdirs[directory.parent] = siblings  # the last used is kept longest
-        names, where = siblings
-        at = where.get(directory.key[:-1].rpartition("/")[2])
-        if at is None:
+        name = directory.key[:-1].rpartition("/")[2].encode("utf-8", "surrogateescape")
+        cookie = self.meta.cookie_of(directory.parent, name)
+        if cookie is None:  # (a name that is not its key's)
             return
-        for name in names[at + 1:at + 1 + self.config.list_ahead]:
-            child = self.meta.lookup(directory.parent, name.encode("utf-8", "surrogateescape"))
-            if child is not None and child.is_dir and not self.fresh(child) \
-                    and child.ino not in self._listing:
-                self._nursery.start_soon(self._ahead_of_reader, child.ino)
+        for _, _, child in self.meta.readdir(directory.parent, cookie,
+                                             SIBLINGS_LOOKED_AT * wanted):
+            if child.is_dir:
+                if not self.fresh(child) and child.ino not in self._listing:
+                    self._nursery.start_soon(self._ahead_of_reader, child.ino)
+                wanted -= 1
+                if not wanted:
+                    break
 
     async def _ahead_of_reader(self, ino: int) -> None:
         async with self._ahead:
             directory = self.meta.get(ino)  # the reader may have listed it meanwhile
             if directory is None or self.fresh(directory) or ino in self._listing:
                 return
-            with self._read(ino):
-                await self._refresh(directory)
-
-    @contextlib.contextmanager
-    def _read(self, ino: int) -> Iterator[None]:
-        """While a listing of ``ino`` is for reading it: its subdirectories are noted."""
-        self._reading[ino] = self._reading.get(ino, 0) + 1
-        try:
-            yield
-        finally:
-            if self._reading[ino] == 1:
-                del self._reading[ino]
-            else:
-                self._reading[ino] -= 1
+            await self._refresh(directory)
 
     async def readdir(self, fh: int, after_cookie: int,
                       limit: int = READDIR_BATCH) -> list[tuple[int, bytes, Inode]]:
@@ -230,18 +215,14 @@ class Listings:
         batch, start = found
         end = min(len(batch), start + READDIR_BATCH)
         first, opens, written = batch.first_ino, self.inodes.opens, self.inodes.written
-        if len(opens) + len(written) < end - start:
-            busy = [i - first for i in (*opens, *written) if first + start <= i < first + end]
-            end = min(busy, default=end)
-        else:
-            end = next((i for i in range(start, end)
-                        if first + i in opens or first + i in written), end)
+        end = next((i for i in range(start, end)
+                    if first + i in opens or first + i in written), end)
         if end == start:
             return None
-        return PlainEntries(batch.first_cookie + start + 2, batch.first_ino + start,
-                            batch.names[start:end],
-                            batch.sizes[start:end], batch.mtimes[start:end],
-                            st_mode(Inode(0, FILE, "", 0)), self.inodes.uid, self.inodes.gid)
+        return PlainEntries(batch.first_cookie + start + 2, first + start,
+                            batch.names[start:end], batch.sizes[start:end],
+                            batch.mtimes[start:end], PLAIN_MODE, self.inodes.uid,
+                            self.inodes.gid)
 
     def releasedir(self, fh: int) -> None:
         self.inodes.dirs.pop(fh, None)
@@ -342,16 +323,6 @@ class Listings:
                 else:
                     local.remove(ino)
         self.inodes.subdir_counts.pop(directory.ino, None)
-        if directory.ino in self._reading and self.config.list_ahead:
-            subdirs = [name for name, entry in entries.items() if entry.kind == DIR]
-            dropped = self._subdirs.pop(directory.ino, None)
-            self._subdir_names -= len(dropped[0]) if dropped else 0
-            del subdirs[SIBLINGS_KEPT:]
-            if subdirs:
-                self._subdirs[directory.ino] = (subdirs, {n: i for i, n in enumerate(subdirs)})
-                self._subdir_names += len(subdirs)
-                while self._subdir_names > SIBLINGS_KEPT:  # the least recently used go
-                    self._subdir_names -= len(self._subdirs.pop(next(iter(self._subdirs)))[0])
         log.debug("listed %r: %d entries, %d removed", prefix, len(entries), len(removed))
 
     async def _list_pages(self, directory: Inode, prefix: str, started: float,
