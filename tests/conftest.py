@@ -528,7 +528,7 @@ def lake_packed(lake: Lake, objects: dict[str, int] | None = None) -> dict[str, 
             records = json.loads(raw)["records"]
         for record in records:
             current = newest.get(record.get("key", ""))
-            if record["op"] in ("put", "del"):
+            if record["op"] in ("put", "del", "obj"):  # (obj: an object replaced it)
                 stale_copy = (current is not None and record["op"] == current["op"] == "put"
                               and record["t"] == current["t"]
                               and record.get("mv", 0) < current.get("mv", 0))

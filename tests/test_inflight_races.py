@@ -504,3 +504,36 @@ async def test_an_upload_settled_during_a_directory_rename_moves_with_it(
     lake = tmp_path / "lake"
     assert not (lake / "d").exists()
     assert (lake / "e" / "y").is_dir() == (kind == "directory")
+
+
+async def test_a_file_a_writer_past_the_daemon_opens_while_its_pack_waits(tmp_path, nursery):
+    """A small file waits for its pack; a writer past the daemon (passthrough:
+    the kernel writes its copy, the daemon learns of it at the next attribute
+    request or close) opens it and makes it 2 MiB before the pack is put
+    together. The pack must not take those bytes for the small version (fsx
+    seed 13 on io_uring: a 5 MB file went into a pack, under the attributes
+    of its 200 KB version, and its record outlived the file's rename)."""
+    fs = _started(tmp_path, nursery, pack_wait=30,  # the pack goes when told
+                  cache_size=2 << 30)  # room for a direct writer
+    small, big = b"small" * 100, b"B" * (2 * MiB)
+    ino = await _write(fs, b"a", small)
+    with trio.fail_after(30):
+        while not fs.promoter.packer.queued(ino):
+            await trio.sleep(0.01)
+    fh, _ = await fs.open(ino, os.O_WRONLY, 0)
+    fd = await fs.direct_backing(fh, False)
+    assert fd is not None, "the handle should go direct"
+    os.pwrite(fd, big, 0)  # as the kernel does, past the daemon
+    fs.promoter.packer.hurry()
+    with trio.fail_after(30):
+        while fs.promoter.packer.queued(ino):
+            await trio.sleep(0.01)
+    entry = fs.promoter.packer.index.entry("a")
+    assert entry is None or entry.length == len(small), entry
+    fs.direct_released(fh)
+    fs.release(fh)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"a": big}
+    await fs.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"b": big}

@@ -268,7 +268,12 @@ class Packer:
         if items:
             pack = self.new_pack_id()
             data, entries = await trio.to_thread.run_sync(self._assemble, pack, items)
-            records.append(await self.write_pack(pack, data))
+            # A file changed while it was read (a writer past the daemon
+            # opened it) is not packed: its bytes may be of the next version.
+            entries = [entry if self.owner.change_count(inode.ino) == batch[inode.ino] else None
+                       for inode, entry in zip(items, entries, strict=True)]
+            if any(entry is not None for entry in entries):
+                records.append(await self.write_pack(pack, data))
             for inode, entry in zip(items, entries, strict=True):
                 if entry is not None:
                     records.append(entry.record())

@@ -119,6 +119,10 @@ class Direct:
                 return None
         if handle.writable:
             await self.writes.make_local(ino)
+            # Its copy changes past the daemon from now on, unseen until the
+            # next absorb: a pack or upload that read it before must not take
+            # what it read after this for the version it was handed.
+            inodes.changed(ino)
             inodes.mark_unclosed(ino)
             self.streams.follow(ino, True)
             writing = self.writers.get(ino)
