@@ -265,6 +265,12 @@ class Promoter:
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
         self._deciding.discard(ino)
+        if any(name in self._landing for name in inode.keys()):
+            # Another file's upload to this key is on the way (a file renamed
+            # or deleted while it uploaded): this one goes after it lands, or
+            # the stale bytes could land last, under this file's name.
+            self.schedule(ino, 0.05)
+            return False
         with self._landing_under(inode.keys()):
             if inode.pending & DATA:
                 info = await self.uploads.upload(inode, version)
@@ -393,6 +399,21 @@ class Promoter:
                 self._landing[key] -= 1
                 if not self._landing[key]:
                     del self._landing[key]
+            self._changed()  # (wait_landed looks again)
+
+    reserving = _landing_under  # a rename, while it copies to its new key
+
+    def landing_at(self, key: str, below: bool = False) -> bool:
+        """Whether an upload to ``key`` (``below``: or under it) is on the way.
+        A file renamed or deleted while its PUT ran leaves that PUT to land
+        under its old key; whatever else goes there first would be replaced
+        by the stale bytes."""
+        return any(name == key or below and name.startswith(key) for name in self._landing)
+
+    async def wait_landed(self, key: str, below: bool = False) -> None:
+        """Until no upload to ``key`` (``below``: or under it) is on the way."""
+        while self.landing_at(key, below):
+            await self.wait_progress()
 
     def landing(self, key: str) -> bool:
         """Whether an upload to ``key`` may be in the lake already, its reply

@@ -130,12 +130,12 @@ class Uploads:
                 async with trio.open_nursery() as nursery:
                     for number, offset, length in plan_parts(size, self.config.part_size):
                         await in_flight.acquire()
-                        if self.host.change_count(inode.ino) != version:
+                        if self.host.change_count(inode.ino) != version or self._moved(inode):
                             break  # changed: stop reading, abandon this upload
                         nursery.start_soon(self._send_part, inode.ino, key, upload_id,
                                            fp.fileno(),
                                            number, offset, length, etags, in_flight)
-            if self.host.change_count(inode.ino) != version:
+            if self.host.change_count(inode.ino) != version or self._moved(inode):
                 return None
             info = await self.store.complete_multipart(key, upload_id, etags)
             completed = True
@@ -151,6 +151,12 @@ class Uploads:
                         log.warning("abort of upload %s of %s failed: %s", upload_id, key, exc)
                         return None  # kept in the record: aborted at the next start
             self.meta.record_upload(inode.ino, key, None)
+
+    def _moved(self, inode: Inode) -> bool:
+        """Renamed or deleted since its upload began: what it would land
+        under the old key is no one's (and a rename onto that key waits for it)."""
+        current = self.meta.get(inode.ino)
+        return current is None or current.orphan or current.key != inode.key
 
     async def _send_part(self, ino: int, key: str, upload_id: str, fd: int, number: int,
                          offset: int,
