@@ -540,6 +540,18 @@ async def test_a_file_a_writer_past_the_daemon_opens_while_its_pack_waits(tmp_pa
     assert _lake_files(tmp_path) == {"b": big}
 
 
+def _rename_soon(fs, nursery, old: bytes, new: bytes) -> trio.Event:
+    """Start renaming ``old`` to ``new`` (in the root); the event is set once
+    the rename returned."""
+    done = trio.Event()
+
+    async def rename() -> None:
+        await fs.rename(ROOT_INO, old, ROOT_INO, new, 0)
+        done.set()
+    nursery.start_soon(rename)
+    return done
+
+
 class FirstPutHeldStore(GatedStore):
     """Holds the first PUT of key ``"a"`` until ``first_go`` is set; tells
     when a later one arrives (``second_came``)."""
@@ -605,12 +617,7 @@ async def test_a_rename_onto_a_key_waits_for_a_stale_upload_to_it(tmp_path, nurs
         await store.entered.wait()  # the PUT of "a" is held
     await fs.rename(ROOT_INO, b"a", ROOT_INO, b"moved", 0)
     async with trio.open_nursery() as inner:
-        renamed = trio.Event()
-
-        async def rename() -> None:
-            await fs.rename(ROOT_INO, b"c", ROOT_INO, b"a", 0)
-            renamed.set()
-        inner.start_soon(rename)
+        renamed = _rename_soon(fs, inner, b"c", b"a")
         with trio.move_on_after(2):  # done at once if nothing holds it back (the race)
             await renamed.wait()
         assert renamed.is_set() == local
@@ -649,12 +656,7 @@ async def test_a_rename_over_a_file_being_uploaded_stops_that_upload(tmp_path, n
         await store.part_held.wait()
     await _write(fs, b"tmp", b"2" * (1 << 10))
     async with trio.open_nursery() as inner:
-        renamed = trio.Event()
-
-        async def rename() -> None:
-            await fs.rename(ROOT_INO, b"tmp", ROOT_INO, b"ckpt", 0)
-            renamed.set()
-        inner.start_soon(rename)
+        renamed = _rename_soon(fs, inner, b"tmp", b"ckpt")
         store.part_go.set()
         with trio.fail_after(30):
             await renamed.wait()
