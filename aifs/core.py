@@ -92,7 +92,8 @@ class Filesystem:
                              self.checkpoints)
         self.open_files = Files(inodes, config, meta, self.reads, self.writes, self.promoter,
                                 self.checkpoints, self.dir_prefetch)
-        moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints)
+        moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints,
+                      self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,
                                    store, meta, self.packer, self.promoter, self.checkpoints)
         self.control = Control(inodes, config, meta, cache, self.fetcher, self.reads,

@@ -79,6 +79,7 @@ class Promoter:
         self._slots = trio.Semaphore(max(1, config.promote_workers))
         self._parked: dict[int, bool] = {}  # commit markers waiting: ino -> forced
         self._landing: Counter[str] = Counter()  # keys of uploads whose reply is not handled
+        self._reserved: Counter[str] = Counter()  # keys renames are copying to
         self.sync_error = ""  # why the last sync that gave up did
         self.stats = PromoteStats()
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
@@ -265,10 +266,10 @@ class Promoter:
             self.packer.submit(inode, version, force)  # it settles once its journal is in
             return False
         self._deciding.discard(ino)
-        if any(name in self._landing for name in inode.keys()):
+        if any(name in self._landing or name in self._reserved for name in inode.keys()):
             # Another file's upload to this key is on the way (a file renamed
-            # or deleted while it uploaded): this one goes after it lands, or
-            # the stale bytes could land last, under this file's name.
+            # or deleted while it uploaded), or a rename's copy: this one goes
+            # after it, or the stale bytes could land last, under its name.
             self.schedule(ino, 0.05)
             return False
         with self._landing_under(inode.keys()):
@@ -387,21 +388,13 @@ class Promoter:
                 self.meta.update(owner, etag=MAYBE_IN_LAKE)
         self.tombstones_changed()
 
-    @contextlib.contextmanager
-    def _landing_under(self, keys: list[str]) -> Iterator[None]:
+    def _landing_under(self, keys: list[str]) -> contextlib.AbstractContextManager[None]:
         """While an upload to ``keys`` runs and until its reply is handled."""
-        for key in keys:
-            self._landing[key] += 1
-        try:
-            yield
-        finally:
-            for key in keys:
-                self._landing[key] -= 1
-                if not self._landing[key]:
-                    del self._landing[key]
-            self._changed()  # (wait_landed looks again)
+        return _counted(self._landing, keys)
 
-    reserving = _landing_under  # a rename, while it copies to its new key
+    def reserving(self, keys: list[str]) -> contextlib.AbstractContextManager[None]:
+        """While a rename copies to ``keys``: no upload to them starts."""
+        return _counted(self._reserved, keys)
 
     def landing_at(self, key: str, below: bool = False) -> bool:
         """Whether an upload to ``key`` (``below``: or under it) is on the way.
@@ -540,3 +533,17 @@ class Promoter:
             with trio.move_on_after(1.0):
                 await progress.wait()
             await trio.sleep(0.05)  # let more complete before scanning again
+
+
+@contextlib.contextmanager
+def _counted(counter: Counter[str], keys: list[str]) -> Iterator[None]:
+    """Count ``keys`` in ``counter`` while the block runs."""
+    for key in keys:
+        counter[key] += 1
+    try:
+        yield
+    finally:
+        for key in keys:
+            counter[key] -= 1
+            if not counter[key]:
+                del counter[key]

@@ -23,14 +23,16 @@ from aifs.meta.store import DATA, MAYBE_IN_LAKE, META, Inode, MetaStore
 from aifs.pack.index import deletion, is_packed_at
 from aifs.pack.packer import Packer
 from aifs.posix.inodes import Inodes
+from aifs.posix.writes import Writes
 
 COPY_CONCURRENCY = 16
 
 
 class Moves:
     def __init__(self, inodes: Inodes, store: ObjectStore, meta: MetaStore, packer: Packer,
-                 promoter: Promoter, checkpoints: Checkpoints) -> None:
+                 promoter: Promoter, checkpoints: Checkpoints, writes: Writes) -> None:
         self.inodes = inodes
+        self.writes = writes
         self.store = store
         self.meta = meta
         self.packer = packer
@@ -87,6 +89,13 @@ class Moves:
                     return [], {}  # no object: the pack index moves it
             if source.pending & DATA or source.etag == MAYBE_IN_LAKE:
                 return [source.key], {}  # its upload goes to the new key
+            if self.promoter.landing_at(new_key):
+                # A stale upload to the new key is on the way (a file renamed or
+                # deleted while it uploaded): a copy now could land before it.
+                if self.inodes.local.has(source.ino):
+                    self.writes.mark_dirty(source.ino)  # uploaded after it lands
+                    return [source.key], {}
+                await self.promoter.wait_landed(new_key)
             metadata = (object_metadata(source, self.inodes.uid, self.inodes.gid)
                         if source.pending & META else None)
             try:
@@ -94,6 +103,7 @@ class Moves:
             except ObjectNotFound:
                 return [], {}
             return [source.key], {new_key: etag}
+        await self.promoter.wait_landed(new_key, below=True)  # (as above)
         old_keys, copies, markers = await self._objects_below(source, new_key)
         etags: dict[str, str] = {}
         limiter = trio.CapacityLimiter(COPY_CONCURRENCY)

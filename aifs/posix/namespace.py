@@ -261,17 +261,6 @@ class Namespace:
         self.check_key(new_key)
         if target is not None and not target.is_dir:
             inodes.changed(target.ino)  # replaced: its upload in flight, if any, stops
-        if self.promoter.landing_at(new_key, below=source.is_dir) and not source.is_dir \
-                and not source.links and self.local.has(source.ino):
-            # Uploaded from its local copy once what is on the way has landed
-            # (the promoter waits for it), rather than copied now and then
-            # overwritten, or the rename waiting for the lake.
-            if not source.pending & DATA:
-                self.meta.update(source.ino, pending=source.pending | DATA)
-                self.local.mark_dirty(source.ino)
-                source = inodes.get(source.ino)
-        else:
-            await self.promoter.wait_landed(new_key, below=source.is_dir)
         with self.promoter.reserving([new_key]):  # no upload to it starts meanwhile
             if source.links:  # a name of a hard-linked file: the promoter copies it anew
                 tombstones, etags = [], {}
