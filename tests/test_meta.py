@@ -352,6 +352,19 @@ def test_a_record_with_odd_types_is_written_as_the_json_encoder_does(odd):
     assert inode.encode() == compact_json(values).encode()
 
 
+def test_a_stored_record_reads_back_as_stored_though_the_writer_changes_its_inode():
+    """What a write stores is remembered as a copy: changing the inode the
+    writer holds (or its containers) afterwards changes nothing read back."""
+    inode = Inode(11, FILE, "f", 1, 3, "", 5, mode=0o644, xattrs={"user.a": "eA=="},
+                  links=[[1, "g"]])
+    raw = inode.encode_stored()
+    inode.size = 99
+    inode.xattrs["user.b"] = "eQ=="
+    inode.links[0][1] = "h"
+    back = Inode.decode(raw)
+    assert (back.size, back.xattrs, back.links) == (3, {"user.a": "eA=="}, [[1, "g"]])
+
+
 def test_a_decoded_inode_changed_in_place_leaves_the_next_decode_alone():
     """Adding a link or an xattr to a decoded inode (as ``link`` does before
     storing it) does not change what the same record decodes to next time

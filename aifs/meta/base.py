@@ -187,7 +187,7 @@ class StoreBase:
 
     def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
         key = u64(inode.ino)
-        txn.put(key, inode.encode(), db=self.inodes)
+        txn.put(key, inode.encode_stored(), db=self.inodes)
         if inode.pending and not inode.orphan:
             if not txn.get(key, db=self.pendings):  # newly pending: next in order
                 txn.put(key, u64(self._counter(txn, SYS_NEXT_SEQ, 1)), db=self.pendings)

@@ -85,6 +85,24 @@ class Inode:
         _remember(raw, self)
         return raw
 
+    def encode_stored(self) -> bytes:
+        """:meth:`encode`, and a copy of this inode (the caller may go on
+        changing it) kept as the decoded form of the record: what a write
+        stores is read back within the same request or the next (a create's
+        flush and release, an open after a close), and a copy costs a
+        fraction of parsing the record."""
+        raw = self.encode()
+        _remember(raw, self._copy())
+        return raw
+
+    def _copy(self) -> Inode:
+        """A copy with containers of its own (empty ones too: see :meth:`decode`)."""
+        inode = Inode.__new__(Inode)
+        inode.__dict__.update(self.__dict__)
+        inode.xattrs = dict(self.xattrs) if self.xattrs else {}
+        inode.links = [list(link) for link in self.links] if self.links else []
+        return inode
+
     def encode(self) -> bytes:
         """The record as stored: a JSON list of the fields every inode has
         (:data:`_HEAD`; the kind as a number, an S3 ETag without its quotes:
@@ -122,13 +140,9 @@ class Inode:
         if known is None:
             known = cls.from_json(stored_json(key))
             _remember(key, known)
-        inode = cls.__new__(cls)
-        inode.__dict__.update(known.__dict__)
         # containers of its own, empty ones too: a caller that adds a link or
         # an xattr must not change what the same bytes decode to next time
-        inode.xattrs = dict(known.xattrs) if known.xattrs else {}
-        inode.links = [list(link) for link in known.links] if known.links else []
-        return inode
+        return known._copy()
 
     @classmethod
     def from_json(cls, record: list | dict) -> Inode:

@@ -192,9 +192,13 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
         with self._write() as txn:
             self._put(txn, inode)
 
-    def update(self, ino: int, **changes: object) -> Inode | None:
-        """Change some fields of a stored inode; return it as stored."""
+    def update(self, ino: int, closed: bool = False, **changes: object) -> Inode | None:
+        """Change some fields of a stored inode; return it as stored.
+        ``closed``: in the same transaction, its writer closed it (see
+        :meth:`clear_unclosed`)."""
         with self._write() as txn:
+            if closed:
+                txn.delete(u64(ino), db=self.unclosed_db)
             raw = txn.get(u64(ino), db=self.inodes)
             if not raw:
                 return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import trio
@@ -43,6 +44,8 @@ from aifs.posix.writes import Writes
 log = logging.getLogger(__name__)
 
 DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
+ROOM_PLENTY = 4 * DIRECT_WRITE_ROOM  # free disk bytes a reading may be used again with ...
+ROOM_FRESH = 0.1  # ... for this many seconds
 FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed file
 ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
 ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
@@ -95,6 +98,7 @@ class Direct:
         self._admissions: dict[int, ObjectVersion] = {}
         self._admitting = trio.Event()  # set when an admission is queued
         self.read_before = ReadBefore()  # small files a reader opened
+        self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -213,11 +217,24 @@ class Direct:
         if kill_setid:
             return False
         budget = self.config.cache_size - self.writes.cache.used - self.local.used
+        return min(budget, self._disk_free()) >= DIRECT_WRITE_ROOM
+
+    def _disk_free(self) -> int:
+        """Free bytes on the cache disk; a reading of plenty (at least
+        :data:`ROOM_PLENTY`) is used again for :data:`ROOM_FRESH` seconds: no
+        writer fills that much in that time, and a burst of creates asked
+        ``statvfs`` once each."""
+        now = time.monotonic()
+        taken, free = self._free
+        if now - taken < ROOM_FRESH and free >= ROOM_PLENTY:
+            return free
         try:
             st = os.statvfs(self.local.root)
         except OSError:
-            return False
-        return min(budget, st.f_bavail * st.f_frsize) >= DIRECT_WRITE_ROOM
+            return 0
+        free = st.f_bavail * st.f_frsize
+        self._free = (now, free)
+        return free
 
     def _stat(self, ino: int) -> tuple[int, int]:
         st = os.fstat(self.local.fd(ino))

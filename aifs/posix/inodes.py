@@ -240,6 +240,20 @@ class Inodes:
                                     ctime=self.clock())
         return None
 
+    def save_closed(self, ino: int) -> Inode | None:
+        """A writer closed ``ino``: :meth:`save_written` and
+        :meth:`clear_unclosed` in one metadata transaction."""
+        if ino not in self.unsaved or ino not in self.written:
+            self.clear_unclosed(ino)
+            return None
+        closed = ino in self.unclosed and ino not in self.write_failed
+        if closed:
+            self.unclosed.discard(ino)
+        self.unsaved.discard(ino)
+        size, mtime_ns = self.written[ino]
+        return self.meta.update(ino, closed=closed, size=size, mtime_ns=mtime_ns,
+                                ctime=self.clock())
+
     def schedule(self, ino: int, sooner: bool = False) -> None:
         """Promote ``ino`` after the delay, unless still open for writing
         (``sooner``: even if it was waiting longer, e.g. for a staging rename)."""

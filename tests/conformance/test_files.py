@@ -42,6 +42,32 @@ def test_open_flags(sides):
     both(sides, case)
 
 
+def test_terminal_ioctls_on_files_fail_as_on_tmpfs(sides):
+    """``isatty()`` (every Python ``open()`` asks) and other ioctls a file
+    does not support fail with ENOTTY, open for reading or writing."""
+    import fcntl
+    import termios
+
+    def case(root: Path):
+        (root / "f").write_bytes(b"abc")
+        out = []
+        for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_CREAT):
+            fd = os.open(root / "f", flags, 0o644)
+            try:
+                out.append(os.isatty(fd))
+                for request in (termios.TCGETS, termios.TIOCGWINSZ):
+                    try:
+                        fcntl.ioctl(fd, request, bytes(64))
+                        out.append("ok")
+                    except OSError as exc:
+                        out.append(exc.errno)
+            finally:
+                os.close(fd)
+        out.append((root / "f").read_bytes())
+        return out
+    both(sides, case)
+
+
 def test_read_only_open_with_o_trunc_truncates(sides):
     """Linux truncates on O_RDONLY|O_TRUNC (POSIX leaves it open); the handle
     still cannot write. Found by the fsx random-operation test."""

@@ -66,8 +66,12 @@ class Operations:
             p.READDIRPLUS: self.readdirplus, p.RELEASEDIR: self.releasedir,
             p.STATFS: self.statfs, p.GETXATTR: self.getxattr, p.LISTXATTR: self.listxattr,
             p.SETXATTR: self.setxattr, p.REMOVEXATTR: self.removexattr,
-            p.IOCTL: self.ioctl,
         }
+        #: requests answered at once with an errno, without a handler: IOCTL,
+        #: which ``isatty()`` of every Python ``open()`` sends (ENOSYS does not
+        #: stop the kernel asking; no terminal here). A handler's coroutine and
+        #: its raised error cost more than the rest of such a request.
+        self.answered: dict[int, int] = {p.IOCTL: errno.ENOTTY}
 
     # -- encoding -------------------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
@@ -372,9 +376,6 @@ class Operations:
     async def removexattr(self, req: Request, body: memoryview) -> Reply:
         self.fs.removexattr(req.nodeid, p.cstring(body)[0])
         return b""
-
-    async def ioctl(self, req: Request, body: memoryview) -> Reply:
-        raise FsError(errno.ENOTTY)  # isatty() of every Python open() asks: no terminal
 
 
 DT_DIR = stat.S_IFDIR >> 12

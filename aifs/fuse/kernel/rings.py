@@ -513,9 +513,11 @@ class Rings:
         if opcode == p.DESTROY:
             lender.call_soon(session.done.set)
             return 0, b""
+        session.counts[opcode] += 1
+        self.answered += 1
         handler = session.ops.handlers.get(opcode)
         if handler is None:
-            return errno.ENOSYS, b""
+            return session.ops.answered.get(opcode, errno.ENOSYS), b""
         later = False
         answer: tuple[int, bytes] | None = None
 
@@ -533,8 +535,6 @@ class Rings:
             elif opcode == p.LOOKUP and not result[0]:  # answered EINTR already
                 session.give_back_lookup(result[1])
 
-        session.counts[opcode] += 1
-        self.answered += 1
         request_ = Request(opcode, unique, nodeid, uid, gid, pid)
         done = lender.run(handler(request_, body), finish)
         if done == WAITS:

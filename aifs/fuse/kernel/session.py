@@ -265,7 +265,7 @@ class Session:
             return
         handler = self.ops.handlers.get(opcode)
         if handler is None:
-            self._reply(unique, errno.ENOSYS, b"")
+            self._reply(unique, self.ops.answered.get(opcode, errno.ENOSYS), b"")
             return
         interruptible = opcode in INTERRUPTIBLE
         if interruptible:
