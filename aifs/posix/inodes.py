@@ -247,12 +247,15 @@ class Inodes:
             self.clear_unclosed(ino)
             return None
         closed = ino in self.unclosed and ino not in self.write_failed
+        size, mtime_ns = self.written[ino]
+        stored = self.meta.update(ino, closed=closed, size=size, mtime_ns=mtime_ns,
+                                  ctime=self.clock())
+        # (only once stored: a transaction that failed, on a full disk, changed
+        # nothing, and the next close tries again)
+        self.unsaved.discard(ino)
         if closed:
             self.unclosed.discard(ino)
-        self.unsaved.discard(ino)
-        size, mtime_ns = self.written[ino]
-        return self.meta.update(ino, closed=closed, size=size, mtime_ns=mtime_ns,
-                                ctime=self.clock())
+        return stored
 
     def schedule(self, ino: int, sooner: bool = False) -> None:
         """Promote ``ino`` after the delay, unless still open for writing
