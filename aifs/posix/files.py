@@ -123,7 +123,7 @@ class Files:
     async def flush(self, fh: int) -> None:
         handle = self._file(fh)
         if handle.writable:
-            stored = self.inodes.save_closed(handle.ino)
+            stored = self.inodes.save_written(handle.ino, closing=True)
             # before close() returns: a crash keeps it
             self.checkpoints.closed(handle.ino, stored)
 
@@ -166,7 +166,7 @@ class Files:
     def _last_writer_closed(self, ino: int) -> None:
         inodes = self.inodes
         inodes.writers.pop(ino, None)
-        inodes.save_closed(ino)
+        inodes.save_written(ino, closing=True)
         if ino in inodes.written:
             self.promoter.streams.closed(ino, inodes.written[ino][0],
                                          inodes.changes.get(ino, 0))

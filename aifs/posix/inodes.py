@@ -230,25 +230,17 @@ class Inodes:
         self.unsaved.discard(ino)
         self.marked_dirty.discard(ino)
 
-    def save_written(self, ino: int) -> Inode | None:
+    def save_written(self, ino: int, closing: bool = False) -> Inode | None:
         """Store the in-memory size and mtime of a file being written; the
-        inode as stored, if there was anything to store."""
+        inode as stored, if there was anything to store. ``closing``: its
+        writer closed it, so its unclosed mark goes in the same transaction."""
         written = self.written.get(ino)
-        if written is not None and ino in self.unsaved:
-            self.unsaved.discard(ino)
-            return self.meta.update(ino, size=written[0], mtime_ns=written[1],
-                                    ctime=self.clock())
-        return None
-
-    def save_closed(self, ino: int) -> Inode | None:
-        """A writer closed ``ino``: :meth:`save_written` and
-        :meth:`clear_unclosed` in one metadata transaction."""
-        if ino not in self.unsaved or ino not in self.written:
-            self.clear_unclosed(ino)
+        if written is None or ino not in self.unsaved:
+            if closing:
+                self.clear_unclosed(ino)
             return None
-        closed = ino in self.unclosed and ino not in self.write_failed
-        size, mtime_ns = self.written[ino]
-        stored = self.meta.update(ino, closed=closed, size=size, mtime_ns=mtime_ns,
+        closed = closing and ino in self.unclosed and ino not in self.write_failed
+        stored = self.meta.update(ino, closed=closed, size=written[0], mtime_ns=written[1],
                                   ctime=self.clock())
         # (only once stored: a transaction that failed, on a full disk, changed
         # nothing, and the next close tries again)
