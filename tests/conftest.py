@@ -35,6 +35,19 @@ LAKE_KINDS = ["local", "moto", "ceph"]
 S3_KINDS = ["moto", "ceph"]
 
 
+def _ceph_in_run() -> bool:
+    return CEPH_SCRIPT.is_file() and os.environ.get("AIFS_SKIP_CEPH") != "1"
+
+
+# The heaviest cases (tens of seconds each on a 2-core machine: thousands of files,
+# pip, a 300 MiB file, kill loops) run on one S3 server, not on both: the Ceph RGW
+# where the run has one (the real server), else moto. Every other case still runs on
+# both. AIFS_ALL_S3=1 runs the heavy ones on both too.
+ONE_S3 = (["moto", "ceph"] if os.environ.get("AIFS_ALL_S3") == "1"
+          else ["ceph"] if _ceph_in_run() else ["moto"])
+HEAVY_LAKES = ["local", *ONE_S3]
+
+
 def wait_for(condition: Callable[[], object], timeout: float, what: str,
              interval: float = 0.05) -> object:
     """Poll ``condition`` until it returns a true value, or fail after ``timeout``."""

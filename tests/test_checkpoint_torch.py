@@ -39,6 +39,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    HEAVY_LAKES,
     file_digest,
     lake_digest,
     lake_sizes,
@@ -473,6 +474,7 @@ class Phases:
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_checkpoint_survives_a_kill_during_promotion(name, lake, mounter, aifs_cli, tmp_path):
     scenario = SCENARIOS[name]
     phase = Phases()

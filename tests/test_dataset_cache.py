@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from conftest import HEAVY_LAKES
 from torch.utils.data import DataLoader, Dataset
 
 MiB = 1 << 20
@@ -73,6 +74,7 @@ def run_epochs(mountpoint: Path, expected: dict[int, str], epochs: int = 3) -> l
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_dataloader_keeps_a_stable_subset_where_lru_thrashes(lake, mounter, record_property):
     data = make_dataset()
     lake.put_many(data)

@@ -1,6 +1,7 @@
 """SIGKILL loop: a training-like writer saves shards and moves a ``latest``
-marker by rename while the daemon is killed at random moments, 100 times, each
-time mounted again on the same cache directory.
+marker by rename while the daemon is killed at random moments, 40 times (a CI
+run; ``AIFS_KILLS=100`` for a longer one), each time mounted again on the same
+cache directory.
 
 What must hold at the end, after one more mount and ``aifs sync``: every file
 whose close() returned is in the mount and in the lake, byte for byte; no file
@@ -21,7 +22,7 @@ import time
 import pytest
 from conftest import lake_tree
 
-KILLS = int(os.environ.get("AIFS_KILLS", "100"))
+KILLS = int(os.environ.get("AIFS_KILLS", "40"))
 
 WRITER = r"""
 import hashlib, os, sys
@@ -66,7 +67,7 @@ def content(step: int) -> bytes:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lake", ["local"], indirect=True)
-def test_a_hundred_kills_lose_no_closed_file_and_publish_no_unclosed_one(
+def test_repeated_kills_lose_no_closed_file_and_publish_no_unclosed_one(
         lake, mounter, aifs_cli, tmp_path):
     rng = random.Random(5)
     closed: set[str] = set()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from conftest import (
+    HEAVY_LAKES,
     JOURNALS,
     PACKS,
     lake_digest,
@@ -75,6 +76,7 @@ def lake_layout(lake) -> tuple[list[str], list[str], list[str]]:
     return plain, packs, journals
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_twenty_thousand_small_files_reach_a_second_mount(lake, mounter, aifs_cli):
     """20,000 files of 1-64 KiB through one mount: at most one pack per 500 files
     in the lake, every byte the same through a second mount with its own cache."""

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import xxhash
-from conftest import wait_for
+from conftest import HEAVY_LAKES, wait_for
 
 MiB = 1 << 20
 BLOCK = MiB  # tests mount with --block-size 1M so block edges are cheap to reach
@@ -71,6 +71,7 @@ def test_bytes_exact_at_block_edges(lake, mounter, size):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_large_file_300mib(lake, mounter):
     size = 300 * MiB
     data = os.urandom(size)
@@ -117,6 +118,7 @@ def test_replaced_object_seen_after_ttl_never_stale(lake, mounter):
         assert read_now() == new
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_many_objects_list_completely(lake, mounter):
     count = 100_000 if lake.kind == "local" else 5_000
     names = [f"s{i:06d}.bin" for i in range(count)]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 from conftest import (
+    HEAVY_LAKES,
     lake_keys,
     lake_meta,
     lake_size,
@@ -693,6 +694,7 @@ def test_rename_error_cases_and_directories(lake, mounter, aifs_cli):
                                 "renamed/f": b"full/f"}, {"empty", "empty2", "renamed"})
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_rename_directory_of_1000_files(lake, mounter, aifs_cli):
     mount = mounter(lake, "--promote-delay", "5")
     m = mount.path

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import HEAVY_LAKES
 from progtools import (
     DEEP_LEVELS,
     DEEP_LEVELS_S3,
@@ -218,6 +219,7 @@ def test_unzip(lake, mounter, tmp_path, source, source_zip):
                symlink_times=False, adjust=to_seconds)
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_copies_from_the_mount_to_the_mount(lake, mounter, tmp_path, source):
     """The programs as readers: the tree is put on the mount with cp -a, the lake
     mounted again on an empty cache, and cp -a, rsync -aHAX and tar copy it from
@@ -410,6 +412,7 @@ def sqlite_check(db: Path) -> dict[str, str]:
             "dump_error": dump.stderr.strip()}
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_sqlite3_journal_and_wal(lake, mounter, tmp_path):
     ref = tmp_path / "reference"
     expected_printed = sqlite_run(ref)
@@ -484,6 +487,7 @@ USE_IT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("lake", HEAVY_LAKES, indirect=True)
 def test_pip_install_into_a_venv_on_the_mount(lake, mounter, tmp_path):
     wheel = make_wheel(tmp_path)
     mount = mounter(lake)
