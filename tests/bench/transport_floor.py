@@ -113,7 +113,14 @@ def _serve_dev(fd: int, transport: str, until_init: bool = False) -> None:
             continue
         error, reply = handle(request, "dev")
         reply = b"" if error else reply
-        os.writev(fd, [p.OUT_HEADER.pack(16 + len(reply), -error, unique), reply])
+        try:
+            os.writev(fd, [p.OUT_HEADER.pack(16 + len(reply), -error, unique), reply])
+        except FileNotFoundError:
+            continue  # the request was interrupted and is gone (as aifs's session does)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                return  # unmounted while answering
+            raise
 
 
 def serve(mountpoint: str, transport: str) -> None:
