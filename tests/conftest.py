@@ -35,16 +35,24 @@ LAKE_KINDS = ["local", "moto", "ceph"]
 S3_KINDS = ["moto", "ceph"]
 
 
-def _ceph_in_run() -> bool:
-    return CEPH_SCRIPT.is_file() and os.environ.get("AIFS_SKIP_CEPH") != "1"
+def _ceph_left_out() -> str | None:
+    """Why this run has no Ceph RGW tier, or None where it has one."""
+    if not CEPH_SCRIPT.is_file():
+        return (f"Ceph RGW tier skipped: {CEPH_SCRIPT} not found "
+                "(set AIFS_CEPH_RGW_SCRIPT to its path)")
+    if os.environ.get("AIFS_SKIP_CEPH") == "1":
+        return "Ceph RGW tier skipped: AIFS_SKIP_CEPH=1"
+    return None
 
 
 # The heaviest cases (tens of seconds each on a 2-core machine: thousands of files,
 # pip, a 300 MiB file, kill loops) run on one S3 server, not on both: the Ceph RGW
 # where the run has one (the real server), else moto. Every other case still runs on
 # both. AIFS_ALL_S3=1 runs the heavy ones on both too.
-ONE_S3 = (["moto", "ceph"] if os.environ.get("AIFS_ALL_S3") == "1"
-          else ["ceph"] if _ceph_in_run() else ["moto"])
+if os.environ.get("AIFS_ALL_S3") == "1":
+    ONE_S3 = ["moto", "ceph"]
+else:
+    ONE_S3 = ["moto"] if _ceph_left_out() else ["ceph"]
 HEAVY_LAKES = ["local", *ONE_S3]
 
 
@@ -141,11 +149,8 @@ def moto_server(tmp_path_factory) -> Iterator[S3Server]:
 
 @pytest.fixture(scope="session")
 def ceph_server(tmp_path_factory) -> Iterator[S3Server]:
-    if not CEPH_SCRIPT.is_file():
-        pytest.skip(f"Ceph RGW tier skipped: {CEPH_SCRIPT} not found "
-                    "(set AIFS_CEPH_RGW_SCRIPT to its path)")
-    if os.environ.get("AIFS_SKIP_CEPH") == "1":
-        pytest.skip("Ceph RGW tier skipped: AIFS_SKIP_CEPH=1")
+    if reason := _ceph_left_out():
+        pytest.skip(reason)
     directory = Path(os.environ.get("AIFS_CEPH_DIR") or tmp_path_factory.mktemp("ceph"))
     with ceph_process(directory) as server:
         yield server

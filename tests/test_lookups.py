@@ -30,7 +30,7 @@ def test_counts_follow_a_dict_through_random_lookups_and_forgets(seed):
             counts.add(ino, n)
             model[ino] = model.get(ino, 0) + n
         else:
-            # the 50 newest (reversed() walks 50 entries, list() the whole dict)
+            # the 50 newest, without copying the whole dict each step
             held = list(itertools.islice(reversed(model), 50)) or [ino]
             ino = rng.choice(held)
             n = rng.choice((1, 2, FULL, 1000))

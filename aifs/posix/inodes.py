@@ -239,7 +239,7 @@ class Inodes:
             if closing:
                 self.clear_unclosed(ino)
             return None
-        closed = closing and ino in self.unclosed and ino not in self.write_failed
+        closed = closing and self._still_unclosed(ino)
         stored = self.meta.update(ino, closed=closed, size=written[0], mtime_ns=written[1],
                                   ctime=self.clock())
         # (only once stored: a transaction that failed, on a full disk, changed
@@ -264,9 +264,14 @@ class Inodes:
             self.meta.mark_unclosed(ino)
 
     def clear_unclosed(self, ino: int) -> None:
-        if ino in self.unclosed and ino not in self.write_failed:
+        if self._still_unclosed(ino):
             self.unclosed.discard(ino)
             self.meta.clear_unclosed(ino)
+
+    def _still_unclosed(self, ino: int) -> bool:
+        """Whether a close clears the unclosed mark: one is set, and no write
+        failed (a failed file keeps it, and stays unpublished)."""
+        return ino in self.unclosed and ino not in self.write_failed
 
     # -- directory times ------------------------------------------------------------
     def touch_dir(self, ino: int, subdirs: bool = True) -> None:

@@ -115,11 +115,11 @@ def _serve_dev(fd: int, transport: str, until_init: bool = False) -> None:
         reply = b"" if error else reply
         try:
             os.writev(fd, [p.OUT_HEADER.pack(16 + len(reply), -error, unique), reply])
-        except FileNotFoundError:
-            continue  # the request was interrupted and is gone (as aifs's session does)
         except OSError as exc:
-            if exc.errno == errno.ENODEV:
-                return  # unmounted while answering
+            if exc.errno == errno.ENOENT:  # the request was interrupted and is gone
+                continue
+            if exc.errno == errno.ENODEV:  # unmounted while answering
+                return
             raise
 
 
