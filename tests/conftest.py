@@ -151,7 +151,10 @@ def moto_server(tmp_path_factory) -> Iterator[S3Server]:
 def ceph_server(tmp_path_factory) -> Iterator[S3Server]:
     if reason := _ceph_left_out():
         pytest.skip(reason)
-    directory = Path(os.environ.get("AIFS_CEPH_DIR") or tmp_path_factory.mktemp("ceph"))
+    if chosen := os.environ.get("AIFS_CEPH_DIR"):  # one cluster per test worker
+        directory = Path(chosen) / os.environ.get("PYTEST_XDIST_WORKER", "main")
+    else:
+        directory = tmp_path_factory.mktemp("ceph")
     with ceph_process(directory) as server:
         yield server
 
@@ -317,33 +320,53 @@ class Mount:
         return self.log.read_text(errors="replace")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The fuse module's ``enable_uring`` on for the whole run (root), put
+    back at its end (:func:`pytest_unconfigure`). Switched here, by the run's
+    controller, and not test by test: the tests run in several worker
+    processes (pytest-xdist), and one worker putting it back while another
+    mounts over io_uring would fail that mount."""
+    if hasattr(config, "workerinput"):  # a worker: its controller switched it
+        return
+    stack = contextlib.ExitStack()
+    with contextlib.suppress(OSError):  # not root, or no such parameter: tests skip
+        stack.enter_context(uring.switched_on())
+    config.stash[_URING_SWITCH] = stack
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stack = config.stash.get(_URING_SWITCH, None)
+    if stack is not None:
+        with contextlib.suppress(OSError):
+            stack.close()
+
+
+_URING_SWITCH = pytest.StashKey[contextlib.ExitStack]()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, in pyproject.toml): one worker per CPU, at
+    most 4 (each worker starts its own moto and Ceph servers);
+    ``AIFS_TEST_WORKERS`` sets it."""
+    return int(os.environ.get("AIFS_TEST_WORKERS") or min(os.cpu_count() or 1, 4))
+
+
 @pytest.fixture(scope="session", autouse=True)
-def uring_for_the_run() -> Iterator[None]:
-    """``AIFS_FUSE_TRANSPORT=uring`` (a CI run on FUSE over io_uring): the fuse
-    module's ``enable_uring`` is on for the run and put back after; a run
+def uring_for_the_run() -> None:
+    """``AIFS_FUSE_TRANSPORT=uring`` (a CI run on FUSE over io_uring): a run
     that asks for it where it cannot be had stops, rather than pass on
     /dev/fuse."""
-    if os.environ.get("AIFS_FUSE_TRANSPORT") != "uring":
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(uring.switched_on())
-        except OSError as exc:
-            pytest.exit(f"AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be "
-                        f"enabled here: {exc}", returncode=2)
-        yield
+    if os.environ.get("AIFS_FUSE_TRANSPORT") == "uring" and not uring.enabled():
+        pytest.exit("AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be enabled "
+                    "here (fuse.enable_uring is off and cannot be switched on)", returncode=2)
 
 
 @pytest.fixture
-def uring_enabled() -> Iterator[None]:
-    """The fuse module's ``enable_uring`` on for the test (root), put back after."""
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(uring.switched_on())
-        except OSError as exc:
-            pytest.skip(f"cannot enable fuse.enable_uring: {exc}")
-        yield
+def uring_enabled() -> None:
+    """The fuse module's ``enable_uring``, which the run switched on (see
+    :func:`pytest_configure`), is on: else the test is skipped."""
+    if not uring.enabled():
+        pytest.skip("fuse.enable_uring is off and could not be switched on")
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
