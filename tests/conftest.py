@@ -25,6 +25,7 @@ import botocore.config
 import pytest
 import xxhash
 
+from aifs.cache.files import LocalFiles
 from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
 from aifs.fuse.kernel import uring
 
@@ -370,6 +371,25 @@ def uring_enabled() -> None:
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
+
+
+@pytest.fixture(autouse=True)
+def spares_stopped(monkeypatch) -> Iterator[None]:
+    """A core driven without a mount (``Filesystem.start``) has its thread of
+    spare local files stopped when the test ends, as an unmount stops it:
+    else it goes on after the test's directory is deleted, and writes a
+    warning every 5 s into the rest of the run."""
+    started: list[LocalFiles] = []
+    start = LocalFiles.start_spares
+
+    def recorded(local: LocalFiles) -> None:
+        started.append(local)
+        start(local)
+
+    monkeypatch.setattr(LocalFiles, "start_spares", recorded)
+    yield
+    for local in started:
+        local.close()
 
 
 @pytest.fixture(autouse=True)
