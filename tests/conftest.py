@@ -345,6 +345,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 _URING_SWITCH = pytest.StashKey[contextlib.ExitStack]()
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default, in pyproject.toml): one worker per CPU, at
     most 4 (each worker starts its own moto and Ceph servers);
