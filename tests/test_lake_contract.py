@@ -165,9 +165,10 @@ async def test_unreachable_endpoint_is_transient_and_clear(monkeypatch):
         await store.get_range("x", 0, 1)
 
 
+# Ceph only: moto accepts any credentials. (A skip inside a trio test reaches the
+# summary without its reason, so the moto case is not made at all.)
+@pytest.mark.parametrize("s3_lake", ["ceph"], indirect=True)
 async def test_bad_credentials(s3_lake, monkeypatch):
-    if s3_lake.kind == "moto":
-        pytest.skip("moto accepts any credentials; checked against Ceph RGW")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     store = open_store(Config(lake=s3_lake.url, endpoint_url=s3_lake.server.endpoint,
