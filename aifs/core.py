@@ -107,7 +107,7 @@ class Filesystem:
         self.metrics = Metrics(self)
 
     def start(self, nursery: trio.Nursery) -> None:
-        self.local.start_spares()
+        nursery.start_soon(self.local.spares_while_running)
         self.fetcher.start(nursery)
         self.object_attrs.start(nursery)
         self.dir_prefetch.start(nursery)

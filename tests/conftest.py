@@ -25,7 +25,6 @@ import botocore.config
 import pytest
 import xxhash
 
-from aifs.cache.files import LocalFiles
 from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
 from aifs.fuse.kernel import uring
 
@@ -323,26 +322,16 @@ class Mount:
 
 def pytest_configure(config: pytest.Config) -> None:
     """The fuse module's ``enable_uring`` on for the whole run (root), put
-    back at its end (:func:`pytest_unconfigure`). Switched here, by the run's
-    controller, and not test by test: the tests run in several worker
-    processes (pytest-xdist), and one worker putting it back while another
-    mounts over io_uring would fail that mount."""
+    back at its end. Switched here, by the run's controller, and not test by
+    test: the tests run in several worker processes (pytest-xdist), and one
+    worker putting it back while another mounts over io_uring would fail
+    that mount."""
     if hasattr(config, "workerinput"):  # a worker: its controller switched it
         return
     stack = contextlib.ExitStack()
+    config.add_cleanup(stack.close)
     with contextlib.suppress(OSError):  # not root, or no such parameter: tests skip
         stack.enter_context(uring.switched_on())
-    config.stash[_URING_SWITCH] = stack
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    stack = config.stash.get(_URING_SWITCH, None)
-    if stack is not None:
-        with contextlib.suppress(OSError):
-            stack.close()
-
-
-_URING_SWITCH = pytest.StashKey[contextlib.ExitStack]()
 
 
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist)
@@ -372,25 +361,6 @@ def uring_enabled() -> None:
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))
-
-
-@pytest.fixture(autouse=True)
-def spares_stopped(monkeypatch) -> Iterator[None]:
-    """A core driven without a mount (``Filesystem.start``) has its thread of
-    spare local files stopped when the test ends, as an unmount stops it:
-    else it goes on after the test's directory is deleted, and writes a
-    warning every 5 s into the rest of the run."""
-    started: list[LocalFiles] = []
-    start = LocalFiles.start_spares
-
-    def recorded(local: LocalFiles) -> None:
-        started.append(local)
-        start(local)
-
-    monkeypatch.setattr(LocalFiles, "start_spares", recorded)
-    yield
-    for local in started:
-        local.close()
 
 
 @pytest.fixture(autouse=True)

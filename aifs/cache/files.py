@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import trio
+
 log = logging.getLogger(__name__)
 
 EVICT_FIRST = 0
@@ -158,8 +160,24 @@ class LocalFiles:
             os.close(self._fds.pop(ino))
 
     def start_spares(self) -> None:
-        """Keep empty files made ahead (in a thread of their own)."""
+        """Keep empty files made ahead (in a thread of their own), until
+        :meth:`stop_spares` or :meth:`close`."""
         threading.Thread(target=self._make_spares, name="aifs-spares", daemon=True).start()
+
+    async def spares_while_running(self) -> None:
+        """:meth:`start_spares` for as long as this task runs: the thread
+        stops with the nursery (an unmount, or the end of a test that drives
+        the core without a mount, whose directory goes next)."""
+        self.start_spares()
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.stop_spares()
+
+    def stop_spares(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._spares_wanted.notify_all()
 
     def _make_spares(self) -> None:
         while True:
@@ -311,10 +329,7 @@ class LocalFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        with self._lock:
-            self._closed = True
-            self._spares_wanted.notify_all()
-        # (the spares stay, for the next mount)
+        self.stop_spares()  # (the spares stay, for the next mount)
 
 
 class IdleCpu:
