@@ -667,8 +667,18 @@ def lake_upload_parts(lake: Lake) -> int:
                     raise
         return parts
     assert lake.root is not None
-    staging = lake.root / LOCAL_STAGING
-    return sum(1 for part in staging.glob("*/part-*")) if staging.is_dir() else 0
+    parts = 0
+    try:
+        uploads = os.listdir(lake.root / LOCAL_STAGING)
+    except FileNotFoundError:
+        return 0
+    for upload in uploads:
+        try:
+            parts += sum(1 for name in os.listdir(lake.root / LOCAL_STAGING / upload)
+                         if name.startswith("part-"))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # completed or aborted since the listing (as on S3 above)
+    return parts
 
 
 def delete_prefix(lake: Lake, prefix: str) -> None:
