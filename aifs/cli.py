@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--multipart-threshold", help="e.g. 16M")
     mount.add_argument("--part-size", help="e.g. 8M")
     mount.add_argument("--parts-in-flight", type=int)
+    mount.add_argument("--promote-busy-rate", help="bytes/s, e.g. 32M; 0: never slowed")
     mount.add_argument("--pack-threshold", help="e.g. 1M; 0 packs nothing")
     mount.add_argument("--pack-size", help="e.g. 64M")
     mount.add_argument("--pack-wait", type=float, help="seconds")
@@ -158,7 +159,8 @@ def _mount(args: argparse.Namespace) -> int:
         "kernel_readahead",
         "metadata_ttl", "endpoint_url", "region", "profile", "path_style", "sign_payload",
         "max_connections", "request_timeout", "retries", "promote_delay",
-        "promote_workers", "multipart_threshold", "part_size", "parts_in_flight", "fsync",
+        "promote_workers", "multipart_threshold", "part_size", "parts_in_flight",
+        "promote_busy_rate", "fsync",
         "direct_writes",
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "fold_shard_records", "stale_upload_age",

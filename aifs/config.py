@@ -90,6 +90,12 @@ class Config:
                              "upload (at least 5M); parts double every 1000 so any object "
                              "fits in 10,000.", "size")
     parts_in_flight: int = _option(8, "Parts of one file uploaded at once.", "int")
+    promote_busy_rate: int = _option(parse_size("32M"), "Bytes per second promotion reads "
+                                     "of its local copies while applications keep the "
+                                     "mount busy (a DataLoader reading beside a checkpoint "
+                                     "upload); full speed when idle or when someone waits "
+                                     "(sync, unmount, a full cache); 0: never slowed.",
+                                     "size")
     pack_threshold: int = _option(parse_size("1M"), "Files smaller than this when promoted "
                                   "are packed into pack objects (dataset and default "
                                   "policies; at most block_size); 0 packs nothing.", "size")

@@ -1,15 +1,13 @@
 """The facade the bindings call: POSIX operations over the lake.
 
-:class:`Filesystem` builds the parts of :mod:`aifs.posix` (one responsibility
-each, see that package) around the stores it is given and hands each
-operation to the part that owns it; it holds no logic of its own. No pyfuse3
-here, so tests drive it without a mount. Errors leave as
-:class:`~aifs.errors.FsError` (an errno) or :class:`~aifs.errors.LakeError`;
-a binding turns both into replies.
+:class:`Filesystem` builds the parts of :mod:`aifs.posix` (one responsibility each, see
+that package) around the stores it is given and hands each operation to the part that
+owns it; it holds no logic of its own. No pyfuse3 here: tests drive it without a mount.
+Errors leave as :class:`~aifs.errors.FsError` or :class:`~aifs.errors.LakeError`.
 
-Writes land in a whole local copy of the file and return at local-disk
-speed; :class:`~aifs.flush.promoter.Promoter` takes them to the lake after
-close (the path of each request through the modules: docs/ARCHITECTURE.md).
+Writes land in a whole local copy of the file and return at local-disk speed;
+:class:`~aifs.flush.promoter.Promoter` takes them to the lake after close (the path of
+each request through the modules: docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -268,9 +266,12 @@ class Filesystem:
     def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes
         self.listings.on_changes = callback
 
-    # -- promotion (posix.hosting) --------------------------------------------------------
+    # -- promotion (posix.hosting; it yields to requests: flush.pacing) ------------------
     async def sync(self, ino: int) -> None:
         await self.hosting.sync(ino)
+
+    def count_requests(self, served: Callable[[], int]) -> None:
+        self.promoter.pacer.requests = served
 
     async def drain(self, timeout: float = 0.0,
                     progress: Callable[[dict[str, float]], None] | None = None) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import threading
+import time
 
+import pytest
 from conftest import wait_for
 
 MiB = 1 << 20
@@ -137,3 +140,44 @@ def test_umount_l_while_a_writer_holds_a_file_loses_none_of_its_writes(lake, mou
     assert lake.get("open.bin") == first + second
     again = mounter(lake, name="again")
     assert (again.path / "open.bin").read_bytes() == first + second
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)  # mount-side logic only
+def test_promotion_yields_to_a_busy_mount_and_a_sync_does_not_wait_for_it(lake, mounter,
+                                                                           aifs_cli):
+    """While a program keeps the mount busy (thousands of opens a second, as a
+    DataLoader's workers do), promotion reads its copies at ``promote_busy_rate``;
+    ``aifs sync`` does not wait for that pace, and once the program stops,
+    promotion goes at full speed (flush.pacing)."""
+    mount = mounter(lake, "--promote-delay", "0.2", "--promote-busy-rate", "1M")
+    (mount.path / "sample").write_bytes(b"a sample")
+    stop = threading.Event()
+    opens = [0]
+
+    def dataloader() -> None:
+        while not stop.is_set():
+            os.close(os.open(mount.path / "sample", os.O_RDONLY))
+            opens[0] += 1
+
+    reader = threading.Thread(target=dataloader)
+    reader.start()
+    try:
+        wait_for(lambda: opens[0] > 1000, 30, "the reader under way")
+        first = random.Random(4).randbytes(8 * MiB)  # 8 s at the busy rate
+        (mount.path / "first.bin").write_bytes(first)
+        due = time.monotonic() + 0.2
+        # held back: still out of the lake 2 s after it fell due (unpaced: ~0.1 s)
+        while time.monotonic() < due + 2:
+            assert _in_lake(lake, "first.bin") is None, "promoted at full speed while busy"
+            time.sleep(0.1)
+        started = time.monotonic()
+        _sync(aifs_cli, mount.path)
+        assert lake.get("first.bin") == first
+        assert time.monotonic() - started < 5  # what the pace still needed: 5-6 s
+        second = random.Random(5).randbytes(32 * MiB)  # 32 s at the busy rate
+        (mount.path / "second.bin").write_bytes(second)
+    finally:
+        stop.set()
+        reader.join()
+    wait_for(lambda: _in_lake(lake, "second.bin") == second, 20,
+             "second.bin at full speed once the mount is idle")

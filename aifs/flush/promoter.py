@@ -32,6 +32,7 @@ from aifs.config import Config
 from aifs.errors import LakeError, lake_error_in
 from aifs.flush.deletes import Deletes
 from aifs.flush.host import PromotionHost
+from aifs.flush.pacing import Pacer
 from aifs.flush.stats import PromoteStats
 from aifs.flush.stream import Streams
 from aifs.flush.uploads import (
@@ -82,12 +83,13 @@ class Promoter:
         self._reserved: Counter[str] = Counter()  # keys renames are copying to
         self.sync_error = ""  # why the last sync that gave up did
         self.stats = PromoteStats()
+        self.pacer = Pacer(config.promote_busy_rate)
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
-                               config.stream_parts_in_flight)
+                               config.stream_parts_in_flight, self.pacer)
         self.packer = Packer(self, store, meta, files, config, uid, gid)
         self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
-                               self.streams, self.packer)
+                               self.streams, self.packer, self.pacer)
         self.deletes = Deletes(host, store, meta, self.stats, self._poke, self._changed)
 
     # -- schedule -----------------------------------------------------------
@@ -225,6 +227,9 @@ class Promoter:
         parked, self._parked = self._parked, {}
         for ino, force in parked.items():
             self.schedule(ino, 0.05, force=force, sooner=True)
+
+    async def paced(self, size: int) -> None:  # (Owner, for the packer)
+        await self.pacer.take(size)
 
     def promote_soon(self, ino: int) -> None:
         """Promote ``ino`` now, whatever its delay (unless it keeps failing)."""
@@ -441,6 +446,7 @@ class Promoter:
         """The cache needs room: promote what waits for its delay now. False if
         nothing promotable is left (or all of it keeps failing)."""
         now = trio.current_time()
+        self.pacer.hurry()
         hopeful = False
         for ino, due in list(self._due.items()):
             if ino not in self._failures:
@@ -473,8 +479,13 @@ class Promoter:
         ``key_prefix``) is in the lake; raise LakeError if one keeps failing.
 
         Deletes of files still open (unlinked while open) are not waited for:
-        they happen when the last handle closes.
+        they happen when the last handle closes. Someone waits: nothing is
+        paced meanwhile (flush.pacing).
         """
+        with self.pacer.urgent():
+            await self._sync(selects, key_prefix)
+
+    async def _sync(self, selects: Callable[[Inode], bool], key_prefix: str | None) -> None:
         started = trio.current_time()
         self.deletes.failures = (0, "", 0.0)
         kicked = False

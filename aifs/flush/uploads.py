@@ -22,6 +22,7 @@ from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import LakeError, ObjectNotFound
 from aifs.flush.host import PromotionHost
+from aifs.flush.pacing import Pacer
 from aifs.flush.stats import PromoteStats
 from aifs.flush.stream import Streams
 from aifs.lake.base import ObjectInfo, ObjectStore
@@ -70,7 +71,7 @@ class Uploads:
 
     def __init__(self, host: PromotionHost, store: ObjectStore, meta: MetaStore,
                  files: LocalFiles, config: Config, uid: int, gid: int, stats: PromoteStats,
-                 streams: Streams, packer: Packer) -> None:
+                 streams: Streams, packer: Packer, pacer: Pacer) -> None:
         self.host = host
         self.store = store
         self.meta = meta
@@ -80,6 +81,7 @@ class Uploads:
         self.stats = stats
         self.streams = streams
         self.packer = packer
+        self.pacer = pacer
         self.sent: dict[int, int] = {}  # ino -> bytes of its upload the lake has
         self.streamed: set[int] = set()  # uploads just completed from a stream
 
@@ -103,6 +105,7 @@ class Uploads:
                 self.stats.upload_bytes += size
                 return info
         if size < self.config.multipart_threshold:
+            await self.pacer.take(size)
             data = await trio.to_thread.run_sync(_read_all, path)
             if self.host.change_count(inode.ino) != version:
                 return None
@@ -163,6 +166,7 @@ class Uploads:
                          length: int, etags: list[tuple[int, str]],
                          in_flight: trio.Semaphore) -> None:
         try:
+            await self.pacer.take(length)
             data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
             if len(data) != length:
                 raise LakeError(f"{key}: local copy shrank during upload")

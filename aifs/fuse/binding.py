@@ -131,6 +131,8 @@ class KernelBinding:
                                want_passthrough=self.config.passthrough,
                                poll=self.config.fuse_poll_us / 1e6,
                                transport=self.config.fuse_transport)
+        counts = self.session.counts
+        self.fs.count_requests(lambda: sum(counts.values()))  # promotion yields to them
 
     async def serve(self) -> None:
         assert self.session is not None

@@ -28,6 +28,7 @@ def _replies(fn: F) -> F:
 
     @functools.wraps(fn)
     async def handler(self: Operations, *args: Any) -> Any:
+        self.served += 1
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError:
@@ -47,6 +48,8 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs: Filesystem) -> None:
         super().__init__()
         self.fs = fs
+        self.served = 0  # requests answered (promotion yields to them: flush.pacing)
+        fs.count_requests(lambda: self.served)
         self.timeout = fs.config.metadata_ttl
         self.blksize = min(fs.block_size, 1 << 20)
 

@@ -59,6 +59,7 @@ class Owner(Protocol):
     def change_count(self, ino: int) -> int: ...
     def handing_over(self) -> bool: ...
     def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None: ...
+    async def paced(self, size: int) -> None: ...  # before reading local copies
 
 
 def new_name(node: str, counter: int) -> str:
@@ -267,6 +268,7 @@ class Packer:
         placed: list[tuple[Inode, PackedEntry]] = []
         if items:
             pack = self.new_pack_id()
+            await self.owner.paced(sum(inode.size for inode in items))
             data, entries = await trio.to_thread.run_sync(self._assemble, pack, items)
             # A file changed while it was read (a writer past the daemon
             # opened it) is not packed: its bytes may be of the next version.
