@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     umount = sub.add_parser("umount", help="promote pending changes, unmount and wait for "
                             "the daemon to exit")
     umount.add_argument("mountpoint")
+    umount.add_argument("-l", "--lazy", action="store_true",
+                        help="detach now though files are open (umount -l); the daemon "
+                        "serves them until their last close, promotes all and exits")
     umount.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for the daemon to exit after unmounting")
     umount.add_argument("--no-flush", action="store_true",
@@ -301,12 +304,14 @@ def _umount(args: argparse.Namespace) -> int:
     # also drops the mount's line from /run/mount/utab; fusermount3 would not.
     command = (["umount", "-i", mountpoint] if os.geteuid() == 0 and shutil.which("umount")
                else ["fusermount3", "-u", mountpoint])
+    if args.lazy:
+        command.insert(-1, "-l" if command[0] == "umount" else "-z")
     result = subprocess.run(command, capture_output=True,
                             text=True)
     if result.returncode != 0:
         message = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
         raise AifsError(f"cannot unmount {mountpoint}: {message or 'umount failed'}")
-    if pid is not None:
+    if pid is not None and not args.lazy:  # (lazily: it exits after the last close)
         deadline = time.monotonic() + args.timeout
         while process_alive(pid):
             if time.monotonic() > deadline:

@@ -16,7 +16,8 @@ SPEC is the lake URL; ``none`` (or an empty SPEC) takes the lake from the
 config file. (Not ``aifs``: mount(8) turns a SPEC that names an existing path,
 such as a directory ``aifs`` where it runs, into that absolute path.)
 Unmounting goes through ``aifs umount``, which waits until every closed file
-is in the lake.
+is in the lake; ``umount -l`` through ``aifs umount --lazy``, which detaches
+at once though files are open (the daemon serves them until their last close).
 """
 
 from __future__ import annotations
@@ -128,15 +129,18 @@ def mount_command(argv: list[str], aifs: str = "aifs"
 def umount_command(argv: list[str], aifs: str = "aifs") -> list[str]:
     """``DIR [-flnrv] [-t TYPE]`` -> the ``aifs umount`` command line."""
     positional = []
+    lazy = False
     args = iter(argv)
     for arg in args:
         if arg in ("-t", "-N"):
             next(args, None)
         elif not arg.startswith("-"):
             positional.append(arg)
+        elif not arg.startswith("--"):
+            lazy = lazy or "l" in arg  # umount -l: detach though files are open
     if len(positional) != 1:
         raise HelperError("usage: umount.fuse.aifs MOUNTPOINT")
-    return [aifs, "umount", os.path.abspath(positional[0])]
+    return [aifs, "umount", *(["--lazy"] if lazy else []), os.path.abspath(positional[0])]
 
 
 def main(argv: list[str]) -> int:

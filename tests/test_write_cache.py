@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
 MiB = 1 << 20
+HELPER = Path(__file__).resolve().parent.parent / "mount" / "mount.aifs"
+AIFS = Path(sys.executable).parent / "aifs"
 
 
 def _in_lake(lake, key: str) -> bytes | None:
@@ -118,20 +122,16 @@ def test_sigterm_promotes_before_the_daemon_exits(lake, mounter):
     assert lake.get("late.bin") == b"written just before the stop"
 
 
-def test_umount_l_while_a_writer_holds_a_file_loses_none_of_its_writes(lake, mounter,
-                                                                       aifs_cli, tmp_path):
-    """``umount -l`` (the kernel's lazy detach, as a person or a script runs it)
-    while a program still has a file open for writing: the mountpoint is free at
-    once, the program's descriptor keeps working, and when it closes the daemon
-    promotes everything and exits 0. A new mount on an empty cache reads every
-    byte, as ext4 keeps a lazily detached file's writes."""
+def _detach_lazily_while_writing(lake, mounter, command: list[str]) -> None:
     mount = mounter(lake, "--promote-delay", "3600")
     (mount.path / "closed.bin").write_bytes(b"c" * 5000)
     first, second = random.Random(1).randbytes(3 * MiB), random.Random(2).randbytes(MiB)
     with open(mount.path / "open.bin", "wb") as fp:
         fp.write(first)
         fp.flush()
-        subprocess.run(["umount", "-l", str(mount.path)], check=True)
+        result = subprocess.run([*command, str(mount.path)], capture_output=True, text=True,
+                                env=dict(os.environ, AIFS=str(AIFS)), timeout=120)
+        assert result.returncode == 0, result.stderr
         assert not os.path.ismount(mount.path)
         fp.write(second)
         assert mount.proc.poll() is None  # the open file keeps the daemon serving
@@ -140,6 +140,31 @@ def test_umount_l_while_a_writer_holds_a_file_loses_none_of_its_writes(lake, mou
     assert lake.get("open.bin") == first + second
     again = mounter(lake, name="again")
     assert (again.path / "open.bin").read_bytes() == first + second
+
+
+def test_umount_l_while_a_writer_holds_a_file_loses_none_of_its_writes(lake, mounter):
+    """``umount -l`` (the kernel's lazy detach, as a person or a script runs it)
+    while a program still has a file open for writing: the mountpoint is free at
+    once, the program's descriptor keeps working, and when it closes the daemon
+    promotes everything and exits 0. A new mount on an empty cache reads every
+    byte, as ext4 keeps a lazily detached file's writes."""
+    _detach_lazily_while_writing(lake, mounter, ["umount", "-i", "-l"])  # (-i: no helper)
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)  # the command's logic only
+@pytest.mark.parametrize("how", ["helper", "aifs"])
+def test_umount_l_through_the_helper_and_aifs_umount_lazy_detach_too(lake, mounter,
+                                                                     tmp_path, how):
+    """The same through umount(8)'s helper (``/sbin/umount.fuse.aifs``, which
+    the install puts there: it once made ``umount -l`` a plain unmount that
+    failed as busy) and through ``aifs umount --lazy``."""
+    if how == "helper":
+        helper = tmp_path / "umount.fuse.aifs"  # the name says which helper it is
+        helper.symlink_to(HELPER)
+        command = [str(helper), "-l"]
+    else:
+        command = [str(AIFS), "umount", "--lazy"]
+    _detach_lazily_while_writing(lake, mounter, command)
 
 
 @pytest.mark.parametrize("lake", ["local"], indirect=True)  # mount-side logic only
