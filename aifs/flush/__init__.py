@@ -8,7 +8,7 @@
   while a large file is still being written.
 - :mod:`~aifs.flush.deletes` — deleting what tombstones name.
 - :mod:`~aifs.flush.pacing` — promotion's reads of local copies yield to a
-  busy mount (``promote_busy_rate``).
+  busy mount (``promote_busy_rate``; streamed parts are not paced).
 
 Small files go into packs (:mod:`aifs.pack`). Failed promotions wait with the
 one backoff of :mod:`aifs.lake.retry`. May import ``pack``, ``meta``,

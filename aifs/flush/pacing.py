@@ -15,6 +15,8 @@ requests per second over the last :data:`TICK`, and for :data:`HOLD` seconds
 after (a DataLoader's opens between its batches). Reads in passthrough reach
 no daemon, so a lone reader of one large file does not slow promotion.
 
+Parts streamed while a file is still written are not paced: the writer is
+the application, and streaming exists to finish the upload soon after close.
 Nothing waits on a paced upload: a sync (``aifs sync``, fsync with
 ``fsync = lake``, unmount, SIGTERM) and writers waiting for cache space
 (:meth:`hurry`) turn pacing off while they wait.

@@ -86,7 +86,7 @@ class Promoter:
         self.pacer = Pacer(config.promote_busy_rate)
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
-                               config.stream_parts_in_flight, self.pacer)
+                               config.stream_parts_in_flight)
         self.packer = Packer(self, store, meta, files, config, uid, gid)
         self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
                                self.streams, self.packer, self.pacer)

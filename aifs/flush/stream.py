@@ -33,7 +33,6 @@ import trio
 import xxhash
 
 from aifs.errors import LakeError, lake_error_in
-from aifs.flush.pacing import Pacer
 from aifs.lake.base import ObjectInfo, ObjectStore
 from aifs.meta.store import MetaStore
 
@@ -99,10 +98,8 @@ class Streams:
     """Streaming uploads by inode; started and fed by the filesystem's writes."""
 
     def __init__(self, store: ObjectStore, meta: MetaStore, part_plan: Callable[[int], int],
-                 threshold: int, parts_in_flight: int, while_writing: int,
-                 pacer: Pacer) -> None:
+                 threshold: int, parts_in_flight: int, while_writing: int) -> None:
         self.store = store
-        self.pacer = pacer
         self.meta = meta
         self.part_plan = part_plan  # part number -> its size
         self.threshold = threshold
@@ -311,7 +308,6 @@ class Streams:
     async def _send_part(self, stream: Stream, fd: int, number: int, offset: int,
                          length: int, in_flight: trio.Semaphore) -> None:
         try:
-            await self.pacer.take(length)
             data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
             if len(data) != length:
                 stream.break_("local copy shrank")
