@@ -29,6 +29,8 @@ from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
 from aifs.fuse.kernel import uring
 
 REPO = Path(__file__).resolve().parent.parent
+HELPER = REPO / "mount" / "mount.aifs"  # mount(8)'s and umount(8)'s helper
+AIFS = Path(sys.executable).parent / "aifs"  # the command, as installed with the tests
 CEPH_SCRIPT = Path(os.environ.get("AIFS_CEPH_RGW_SCRIPT",
                                   REPO.parent / "shared" / "tools" / "ceph-rgw.sh"))
 LAKE_KINDS = ["local", "moto", "ceph"]

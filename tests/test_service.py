@@ -11,7 +11,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -19,15 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Lake, lake_sizes, wait_for
+from conftest import AIFS, HELPER, REPO, Lake, lake_sizes, wait_for
 
 from aifs.cli import process_alive
 from aifs.daemon import mount_type
 
-REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "deploy" / "aifs@.service"
-HELPER = REPO / "mount" / "mount.aifs"
-AIFS = Path(sys.executable).parent / "aifs"
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import AIFS, HELPER, wait_for
 
 MiB = 1 << 20
-HELPER = Path(__file__).resolve().parent.parent / "mount" / "mount.aifs"
-AIFS = Path(sys.executable).parent / "aifs"
 
 
 def _in_lake(lake, key: str) -> bytes | None:

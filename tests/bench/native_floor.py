@@ -34,10 +34,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import FuseDaemon  # noqa: E402
 
 from aifs.bench import Mount, creates, opens, timed  # noqa: E402
 from aifs.fuse.kernel import mount as kmount  # noqa: E402
@@ -144,32 +145,9 @@ def serve_python(mountpoint: str, backing: str) -> None:
                 return
 
 
-class NativeMount:
-    def __init__(self, argv: list[str], path: Path, backing: Path) -> None:
-        path.mkdir()
-        backing.mkdir()
-        self.path = path
-        self.proc = subprocess.Popen(argv + [str(path), str(backing)])
-        deadline = time.monotonic() + 10
-        while not os.path.ismount(path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{argv} did not mount {path}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        if os.path.ismount(self.path):
-            subprocess.run(["umount", str(self.path)], check=False)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def run(files: int, runs: int, work_dir: str) -> dict[str, dict[str, list[float]]]:
     work = Path(tempfile.mkdtemp(prefix="native-floor-", dir=work_dir))
-    mounts: list[NativeMount | Mount] = []
+    mounts: list[FuseDaemon | Mount] = []
     try:
         binary = work / "native_floor"
         subprocess.run(["cc", "-O2", "-o", str(binary), str(SOURCE)], check=True)
@@ -178,7 +156,10 @@ def run(files: int, runs: int, work_dir: str) -> dict[str, dict[str, list[float]
         for side, argv in (("native", [str(binary)]),
                            ("native-noflush", [str(binary), "--noflush"]),
                            ("python", [sys.executable, __file__, "--serve-python"])):
-            mounts.append(NativeMount(argv, work / f"mnt-{side}", work / f"back-{side}"))
+            backing = work / f"back-{side}"
+            backing.mkdir()
+            mounts.append(FuseDaemon([*argv, str(work / f"mnt-{side}"), str(backing)],
+                                     work / f"mnt-{side}", None, side))
             roots[side] = mounts[-1].path
         (work / "lake").mkdir()
         mounts.append(Mount(work / "lake", work / "mnt-aifs", work / "cache-aifs", "kernel",
