@@ -112,7 +112,7 @@ class Filesystem:
         self.listings.start(nursery)
         nursery.start_soon(self.promoter.run)
         nursery.start_soon(self.direct.follow_growth)
-        nursery.start_soon(self.direct.admit_queued)
+        nursery.start_soon(self.direct.admissions.run)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self.inodes.save_dir_times_now_and_then)
         nursery.start_soon(self.metrics.run)
@@ -261,7 +261,7 @@ class Filesystem:
 
     def direct_released(self, fh: int, direct: bool = True) -> None:
         """Handle ``fh`` closes: direct, or served by the daemon (a copy may follow)."""
-        self.direct.released(fh) if direct else self.direct.admit_later(fh)
+        self.direct.released(fh) if direct else self.direct.admissions.closed(fh)
 
     def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes
         self.listings.on_changes = callback

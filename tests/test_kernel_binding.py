@@ -255,6 +255,44 @@ def test_a_first_epoch_over_packed_files_makes_no_local_copies(lake, mounter,
     assert stats(m.path)["direct_opens"] - second["direct_opens"] == 1
 
 
+def test_a_large_object_read_whole_goes_direct_from_then_on(lake, mounter) -> None:
+    # Weights another tool wrote, read whole through the daemon: as the reader
+    # closes, the cached blocks become one local copy (and are dropped: the
+    # disk holds the object once), and the next reads go from the kernel to
+    # that copy: no READ reaches the daemon, no GET the lake. A dataset's
+    # shard stays blocks (they keep a stable subset of a dataset larger than
+    # the cache). A remount on the same cache reads it direct; another node's
+    # new version replaces the copy.
+    big = os.urandom(5 * MiB + 100_000)  # five block files and a tail in a segment
+    shard = os.urandom(3 * MiB)
+    lake.put_many({"w/big.bin": big, "ds/shard.tar": shard})
+    options = ("--block-size", "1M", "--metadata-ttl", "1")
+    m = kernel_mount(lake, mounter, *options)
+    os.setxattr(m.path / "ds", "user.aifs.policy", b"dataset")
+    before = stats(m.path)
+    # (the shard first: a copy of it would be queued, and made, before the object's)
+    assert (m.path / "ds/shard.tar").read_bytes() == shard
+    assert (m.path / "w/big.bin").read_bytes() == big
+    first = wait_for(lambda: (now := stats(m.path))["admitted"] > before["admitted"] and now,
+                     30, "a local copy of the object read whole")
+    assert first["admitted"] == before["admitted"] + 1
+    assert first["cache_bytes"] == len(shard)  # its blocks went; the shard's stayed
+    assert first["local_bytes"] == len(big)
+    assert (m.path / "w/big.bin").read_bytes() == big
+    second = stats(m.path)
+    assert second["direct_opens"] == first["direct_opens"] + 1
+    assert second["read_requests"] == first["read_requests"]
+    assert second["lake_gets"] == first["lake_gets"]
+    m.unmount()
+    again = kernel_mount(lake, mounter, *options, name="again", cache="m")
+    assert (again.path / "w/big.bin").read_bytes() == big
+    assert stats(again.path)["direct_opens"] == 1
+    newer = os.urandom(2 * MiB)
+    lake.put("w/big.bin", newer)
+    wait_for(lambda: (again.path / "w/big.bin").read_bytes() == newer, 30,
+             "another node's version to replace the local copy")
+
+
 def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
     # The kernel asks for directory pages of up to 1 MiB (MAX_PAGES): a page
     # holds thousands of entries, more than one writev may carry in pieces.

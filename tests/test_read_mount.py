@@ -339,7 +339,8 @@ def test_cache_survives_remount(lake, mounter):
     assert int(os.getxattr(again.path / "w.bin", "user.aifs.cached_bytes")) == len(data)
     assert (again.path / "w.bin").read_bytes() == data
     stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
-    assert stats["lake_gets"] == 0 and stats["disk_hits"] > 0
+    # (from its blocks, or from the local copy they became: read direct)
+    assert stats["lake_gets"] == 0 and stats["disk_hits"] + stats["direct_opens"] > 0
 
 
 def test_cache_capacity_is_respected(lake, mounter):

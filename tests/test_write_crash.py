@@ -365,3 +365,21 @@ def test_an_upload_created_but_not_recorded_is_aborted(lake, mounter):
 
     mounter(lake, name="second", cache="first")
     wait_for(lambda: not lake_uploads(lake), 20, "the unrecorded upload aborted")
+
+
+def test_a_clean_local_copy_cut_short_by_a_power_loss_is_read_from_the_lake(
+        lake, mounter, aifs_cli, tmp_path):
+    """A file promoted and kept as clean cached data whose local copy the disk
+    had not all of when the node lost power (cut short here by hand): the next
+    mount reads the file's bytes from the lake, not the short copy."""
+    data = os.urandom(3 * MiB + 11)
+    mount = mounter(lake, "--promote-delay", "0", name="first")
+    (mount.path / "w.bin").write_bytes(data)
+    sync(aifs_cli, mount.path)
+    ino = (mount.path / "w.bin").stat().st_ino
+    mount.unmount()
+    copy = mount.cache_dir / "files" / str(ino)
+    assert copy.stat().st_size == len(data)
+    os.truncate(copy, MiB)
+    again = mounter(lake, name="second", cache="first")
+    assert (again.path / "w.bin").read_bytes() == data

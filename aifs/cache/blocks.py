@@ -336,6 +336,13 @@ class BlockCache:
         except OSError:
             pass
 
+    def forget(self, version: ObjectVersion) -> None:
+        """Drop every block of ``version`` (a local copy holds its bytes now)."""
+        with self._lock:
+            rels = list(self._blocks.get(version.ident, {}))
+        for rel in rels:
+            self._forget(rel)
+
     def close(self) -> None:
         self.segments.close()
 

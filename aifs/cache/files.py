@@ -274,6 +274,11 @@ class LocalFiles:
             raise
         return name, fd
 
+    def blank(self, ino: int) -> tuple[str, int]:
+        """An empty file to fill and make the copy of ``ino`` by :meth:`adopt`
+        (or :meth:`discard`). Blocking; safe in a worker thread."""
+        return self._empty_file(f"{self._prefix}admit-{ino}")
+
     @staticmethod
     def discard(name: str, fd: int) -> None:
         """Drop a file from :meth:`filled` that was not installed."""

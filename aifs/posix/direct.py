@@ -2,13 +2,8 @@
 file's local copy, past the daemon (FUSE passthrough, kernel binding).
 
 A handle may go direct only where the local copy is the whole file (written
-on this node, or fetched whole); a small file read again through the daemon
-whose bytes are then all in the block cache is given such a copy in the
-background after the reader closes it (:meth:`Direct.admit_later`), so that
-its next opens go direct while the open that read it paid nothing for it.
-A file read for the first time gets none, even where its bytes came in
-with a neighbour's (a pack's block): a first epoch does not write its
-dataset to the disk a second time.
+on this node, fetched whole, or made from cached blocks after a reader the
+daemon served closed: :mod:`aifs.posix.admissions` says which).
 The kernel asks that every open of an
 inode be direct while one is, so the binding says whether the inode is
 direct already. A direct writer's bytes never pass through aifs: its local
@@ -33,10 +28,10 @@ from dataclasses import dataclass
 
 import trio
 
-from aifs.cache.blocks import ObjectVersion
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.meta.store import Inode, MetaStore
+from aifs.posix.admissions import Admissions
 from aifs.posix.inodes import Inodes
 from aifs.posix.reads import Reads
 from aifs.posix.writes import Writes
@@ -47,30 +42,6 @@ DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct write
 ROOM_PLENTY = 4 * DIRECT_WRITE_ROOM  # free disk bytes a reading may be used again with ...
 ROOM_FRESH = 0.1  # ... for this many seconds
 FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed file
-ADMIT_MAX = 1 << 20  # largest cached file given a local copy of its own to go direct
-ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
-ADMIT_BATCH = 64  # copies written in one trip to a worker thread
-ADMIT_WAIT = 0.05  # seconds between batches
-READ_BEFORE_MAX = 1 << 28  # inode numbers the read-before bitmap covers (32 MiB at most)
-
-
-class ReadBefore:
-    """Which inodes a small reader opened since the mount: one bit each, in a
-    bitmap grown to the largest inode number seen (inode numbers are dense:
-    a counter). Past :data:`READ_BEFORE_MAX` every inode counts as read."""
-
-    def __init__(self) -> None:
-        self.bits = bytearray()
-
-    def test_and_set(self, ino: int) -> bool:
-        if ino >= READ_BEFORE_MAX:
-            return True
-        byte, bit = ino >> 3, 1 << (ino & 7)
-        if byte >= len(self.bits):
-            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits))))
-        seen = bool(self.bits[byte] & bit)
-        self.bits[byte] |= bit
-        return seen
 
 
 @dataclass
@@ -94,10 +65,7 @@ class Direct:
         self.writers: dict[int, Writing] = {}  # inodes that direct writers hold
         self.streams = writes.promoter.streams
         self._writing = trio.Event()  # set when a direct writer opens
-        #: inode -> version: local copies to make (admit_later)
-        self._admissions: dict[int, ObjectVersion] = {}
-        self._admitting = trio.Event()  # set when an admission is queued
-        self.read_before = ReadBefore()  # small files a reader opened
+        self.admissions = Admissions(inodes, config, meta, reads, writes)
         self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
 
     async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
@@ -109,10 +77,9 @@ class Direct:
             return None
         ino = handle.ino
         if not self.local.has(ino):
-            if not handle.writable and 0 < handle.version.size <= ADMIT_MAX:
-                handle.cached_at_open = self.read_before.test_and_set(ino) and \
-                    self.reads.cached_whole(handle.version)
-            return None  # through the daemon (a file read again gets a copy: admit_later)
+            if not handle.writable:  # a cached file may get a copy as it closes
+                handle.admit = self.admissions.opened(ino, handle.version)
+            return None  # through the daemon
         if not inode_is_direct:
             # (Once direct, an inode's later opens share its copy even where a
             # newer version came from another node: the kernel knows one
@@ -138,80 +105,6 @@ class Direct:
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
         return self.local.fd(ino)
-
-    def admit_later(self, fh: int) -> None:
-        """Reader ``fh`` (served by the daemon) closes: if its small file was
-        read before and the block cache held all of it when it was opened (a
-        dataset's second epoch), queue a clean local copy of it, made in the background,
-        so that the next opens go direct while this one paid nothing for it.
-        Only what the cache kept: its policy (a scan larger than the cache
-        keeps a stable subset) decides what becomes a copy; a file read for
-        the first time gets none, though a pack's block brought it in with its
-        neighbours (a first epoch does not store its files twice)."""
-        handle = self.inodes.files.get(fh)
-        if handle is None or not handle.cached_at_open:  # (set for small readers only)
-            return
-        if handle.ino in self._admissions or len(self._admissions) >= ADMIT_QUEUE \
-                or self.local.has(handle.ino):
-            return
-        self._admissions[handle.ino] = handle.version
-        self._admitting.set()
-
-    async def admit_queued(self) -> None:
-        """Make the copies :meth:`admit_later` queued, a batch per thread trip."""
-        while True:
-            if not self._admissions:
-                self._admitting = trio.Event()
-                await self._admitting.wait()
-            await trio.sleep(ADMIT_WAIT)  # more closes join the batch
-            batch: list[tuple[int, ObjectVersion, bytes]] = []
-            for ino in list(self._admissions)[:ADMIT_BATCH]:
-                version = self._admissions.pop(ino)
-                if not self._admissible(ino, version):
-                    continue
-                try:
-                    data = await self.reads.cached(version)  # (None: evicted meanwhile)
-                except Exception as exc:  # no copy, no harm
-                    log.debug("no local copy of inode %d: %s", ino, exc)
-                    continue
-                if data is not None:
-                    batch.append((ino, version, data))
-            if not batch:
-                continue
-            files = await trio.to_thread.run_sync(
-                self._fill, [(ino, data) for ino, _, data in batch], limiter=self.inodes.disk)
-            for (ino, version, data), made in zip(batch, files, strict=True):
-                if made is None:
-                    continue
-                name, fd = made
-                if not self._admissible(ino, version):
-                    self.local.discard(name, fd)  # changed meanwhile: not this copy
-                    continue
-                try:
-                    self.local.adopt(ino, name, fd, len(data))
-                except OSError as exc:
-                    log.debug("no local copy of inode %d: %s", ino, exc)
-                    self.local.discard(name, fd)
-                    continue
-                self.local.mark_clean(ino)
-                self.inodes.counters.admitted += 1
-
-    def _fill(self, items: list[tuple[int, bytes]]) -> list[tuple[str, int] | None]:
-        filled: list[tuple[str, int] | None] = []
-        for ino, data in items:
-            try:
-                filled.append(self.local.filled(ino, data))
-            except OSError as exc:  # a full disk: no copy, reads stay with the daemon
-                log.debug("no local copy of inode %d: %s", ino, exc)
-                filled.append(None)
-        return filled
-
-    def _admissible(self, ino: int, version: ObjectVersion) -> bool:
-        """``ino`` has no copy and its lake version is still ``version``."""
-        if self.local.has(ino):
-            return False
-        inode = self.meta.get(ino)
-        return inode is not None and not inode.orphan and self.reads.version(inode) == version
 
     def _may_write_direct(self, kill_setid: bool) -> bool:
         if kill_setid:

@@ -42,10 +42,9 @@ class OpenFile:
     #: set-user-ID (and set-group-ID with group execute), as Linux does. The
     #: kernel does it itself except for direct-I/O handles.
     kill_setid: bool = False
-    #: read before since the mount, and the block cache held all its bytes
-    #: when it was opened (posix.direct: a file read again gets a local copy
-    #: to go direct)
-    cached_at_open: bool = False
+    #: served by the daemon, its file may get a local copy to go direct as it
+    #: closes (posix.admissions)
+    admit: bool = False
 
 
 class Attributes(NamedTuple):

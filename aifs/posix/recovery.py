@@ -33,12 +33,17 @@ class Recovery:
         for ino in meta.purge_orphans():
             local.remove(ino)
         pending = {inode.ino: inode for inode in meta.pending_inodes()}
-        for ino in local.inos():
+        for ino, size in local.sizes().items():
             inode = pending.get(ino) or meta.get(ino)
             if inode is None:
                 local.remove(ino)
+            elif not (ino in pending and inode.pending & DATA) and size != inode.size:
+                # a clean copy cut short (the node lost power before the disk had
+                # it all): the lake has the file, its next read fetches it
+                log.warning("the local copy of %s is %d bytes, not %d: dropped", inode.key,
+                            size, inode.size)
+                local.remove(ino)
             elif ino in pending and inode.pending & DATA:
-                size = os.path.getsize(local.path(ino))
                 if size != inode.size:  # written after the last save: the copy is the truth
                     st = os.stat(local.path(ino))
                     meta.update(ino, size=size, mtime_ns=st.st_mtime_ns)

@@ -512,3 +512,61 @@ class BlockFetcher:
         """Drop memory blocks of an object version that is gone."""
         for slot in [s for s in self._memory if s[0] == ident]:
             self._memory_used -= len(self._memory.pop(slot))
+
+    def stored(self, version: ObjectVersion, index: int) -> bool:
+        """Whether a block is on the cache disk (not only queued to be)."""
+        return self.cache.locate(version, index) is not None
+
+    def copy_block(self, version: ObjectVersion, index: int, fd: int, offset: int) -> bool:
+        """Write cached block ``index`` of ``version`` into ``fd`` at ``offset``:
+        a block file copied by the kernel (``copy_file_range``: its bytes never
+        enter this process), a segment block read and checked. False if the
+        block is not cached (or read back damaged). Blocking: a worker thread's."""
+        where = self.cache.locate(version, index)
+        length = min(self.block_size, version.size - index * self.block_size)
+        if where is None or where.size != length:
+            return False
+        try:
+            src = os.open(where.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # evicted since it was located
+        try:
+            if where.checksum is None:
+                return _copy_range(src, where.offset, fd, offset, length)
+            data = os.pread(src, length, where.offset)
+            if checksum(data) != where.checksum:
+                self.cache.drop(version, index, where)
+                return False
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, offset + length - len(view)):]
+            return True
+        finally:
+            os.close(src)
+
+    async def forget_version(self, version: ObjectVersion) -> None:
+        """Drop every cached block of ``version`` (its bytes are kept elsewhere
+        now: a local copy); no reader may be reading them."""
+        self.forget_object(version.ident)
+        directory = str(self.cache.root / version.ident[:2] / version.ident) + "/"
+        for path in [path for path in self._fds if path.startswith(directory)]:
+            os.close(self._fds.pop(path))
+        await trio.to_thread.run_sync(self.cache.forget, version, limiter=self._disk_limiter)
+
+
+def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> bool:
+    """Copy ``length`` bytes between files in the kernel; False if ``src`` is short."""
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, src_offset + done,
+                                   dst_offset + done)
+        except OSError as exc:  # a filesystem pair the call does not take: by hand
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            data = os.pread(src, min(length - done, 8 << 20), src_offset + done)
+            n = len(data) and os.pwrite(dst, data, dst_offset + done)
+        if n == 0:
+            return False
+        done += n
+    return True

@@ -2,6 +2,8 @@
 whole through each mount of one bucket, the page cache dropped first.
 
 - aifs cold: a fresh cache directory (every byte from the lake);
+- aifs admission: the blocks the cold read cached become one local copy
+  after it closes (in the background: the kernel copies them);
 - aifs warm: the same mount again, page cache dropped (every byte from the
   NVMe tier: passthrough, so the daemon sees only the open and the close);
 - s3fs cold and again (it keeps no local copy by default: both from the lake).
@@ -15,6 +17,7 @@ Root only (drops the page cache); installs s3fs with apt-get if missing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -41,6 +44,16 @@ def read_with_cpu(path: Path, pid: int) -> tuple[float, float]:
     with open(path, "rb", buffering=0) as fp:
         while fp.read(MiB):
             pass
+    return time.perf_counter() - start, process_cpu(pid) - cpu
+
+
+def admission_cpu(mount: Path, pid: int, timeout: float = 120) -> tuple[float, float]:
+    """(seconds, daemon CPU seconds) until the object read whole has its local copy."""
+    cpu, start = process_cpu(pid), time.perf_counter()
+    while json.loads(os.getxattr(mount, "user.aifs.stats"))["admitted"] < 1:
+        if time.perf_counter() - start > timeout:
+            raise SystemExit("no local copy made of the object read whole")
+        time.sleep(0.05)
     return time.perf_counter() - start, process_cpu(pid) - cpu
 
 
@@ -75,6 +88,8 @@ def main() -> None:
             try:
                 rows.setdefault("aifs cold", []).append(
                     read_with_cpu(mount.path / "object.bin", mount.proc.pid))
+                rows.setdefault("aifs admission (blocks to a local copy)", []).append(
+                    admission_cpu(mount.path, mount.proc.pid))
                 rows.setdefault("aifs warm (NVMe tier)", []).append(
                     read_with_cpu(mount.path / "object.bin", mount.proc.pid))
             finally:

@@ -1,0 +1,238 @@
+"""Cached lake files given a local copy of their own, so that their next
+opens go direct (FUSE passthrough, :mod:`aifs.posix.direct`): the kernel
+reads the copy and the daemon sees only the open and the close.
+
+Two kinds, both made in the background after a reader served by the daemon
+closes, never on its path:
+
+- *small* files (up to :data:`ADMIT_MAX`) read again while the block cache
+  held all their bytes when they were opened (a dataset's second epoch):
+  their bytes are copied out of the cache, which keeps its blocks. A file
+  read for the first time gets none, even where its bytes came in with a
+  neighbour's (a pack's block): a first epoch does not write its dataset to
+  the disk a second time. Only what the cache kept becomes a copy: its
+  policy (a scan larger than the cache keeps a stable subset) decides.
+- *large* objects (weights, checkpoints: the regular class) read whole, at
+  the close of the reader that brought the last block in: the blocks are
+  copied into one file by the kernel (``copy_file_range``, no bytes through
+  Python), the copy made durable, and the blocks dropped, so the disk holds
+  the object once, as a file the kernel can read alone. Dataset-class
+  objects stay blocks (their admission keeps a stable subset under a cache
+  smaller than the dataset, which LRU copies would not), pinned ones too
+  (copies are evicted, pinned blocks never). The copy is paced like
+  promotion (:mod:`aifs.flush.pacing`): it yields to a busy mount.
+
+A copy is installed only if the file still has none and its lake version
+is the one copied (another node may have replaced it meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import trio
+
+from aifs.cache.blocks import REGULAR, ObjectVersion
+from aifs.config import Config
+from aifs.meta.store import MetaStore
+from aifs.posix.inodes import Inodes
+from aifs.posix.reads import Reads
+from aifs.posix.writes import Writes
+
+log = logging.getLogger(__name__)
+
+ADMIT_MAX = 1 << 20  # largest cached file given a local copy when read again
+ADMIT_QUEUE = 4096  # admissions waiting at most (beyond: dropped, a later close asks again)
+ADMIT_BATCH = 64  # small copies written in one trip to a worker thread
+ADMIT_WAIT = 0.05  # seconds between batches
+READ_BEFORE_MAX = 1 << 28  # inode numbers the read-before bitmap covers (32 MiB at most)
+#: a large object's last blocks are stored by threads after its reader closes:
+#: how long its admission waits for them
+STORED_WAIT = 10.0
+ROOM_LEFT = 1 << 30  # free disk bytes a large copy must leave
+
+
+class ReadBefore:
+    """Which inodes a small reader opened since the mount: one bit each, in a
+    bitmap grown to the largest inode number seen (inode numbers are dense:
+    a counter). Past :data:`READ_BEFORE_MAX` every inode counts as read."""
+
+    def __init__(self) -> None:
+        self.bits = bytearray()
+
+    def test_and_set(self, ino: int) -> bool:
+        if ino >= READ_BEFORE_MAX:
+            return True
+        byte, bit = ino >> 3, 1 << (ino & 7)
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits))))
+        seen = bool(self.bits[byte] & bit)
+        self.bits[byte] |= bit
+        return seen
+
+
+class Admissions:
+    def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
+                 writes: Writes) -> None:
+        self.inodes = inodes
+        self.config = config
+        self.meta = meta
+        self.reads = reads
+        self.fetcher = reads.fetcher
+        self.cache = writes.cache
+        self.promoter = writes.promoter
+        self.local = inodes.local
+        self.read_before = ReadBefore()  # small files a reader opened
+        #: inode -> version: local copies to make (:meth:`closed`)
+        self._small: dict[int, ObjectVersion] = {}
+        self._large: dict[int, ObjectVersion] = {}
+        self._queued = trio.Event()  # set when an admission is queued
+
+    def opened(self, ino: int, version: ObjectVersion) -> bool:
+        """A reader the daemon serves opens ``ino`` (no local copy): whether
+        to look at admitting it when it closes (``OpenFile.admit``)."""
+        if not version.size:
+            return False
+        if version.size <= ADMIT_MAX:
+            return self.read_before.test_and_set(ino) and self.reads.cached_whole(version)
+        return version.block_class == REGULAR and not version.source  # (packs: small files)
+
+    def closed(self, fh: int) -> None:
+        """Reader ``fh`` (served by the daemon, ``admit`` set at open) closes:
+        queue its file's copy."""
+        handle = self.inodes.files.get(fh)
+        if handle is None or not handle.admit:
+            return
+        ino, version = handle.ino, handle.version
+        queue = self._small if version.size <= ADMIT_MAX else self._large
+        if ino in queue or len(queue) >= ADMIT_QUEUE or self.local.has(ino):
+            return
+        if queue is self._large and not self._read_whole(version):
+            return
+        log.debug("inode %d closes: a local copy of it is queued", ino)
+        queue[ino] = version
+        self._queued.set()
+
+    async def run(self) -> None:
+        """Make the copies :meth:`closed` queued."""
+        while True:
+            if not self._small and not self._large:
+                self._queued = trio.Event()
+                await self._queued.wait()
+            await trio.sleep(ADMIT_WAIT)  # more closes join the batch
+            if self._small:
+                await self._admit_small()
+            if self._large:
+                ino = next(iter(self._large))
+                await self._admit_large(ino, self._large.pop(ino))
+
+    async def _admit_small(self) -> None:
+        batch: list[tuple[int, ObjectVersion, bytes]] = []
+        for ino in list(self._small)[:ADMIT_BATCH]:
+            version = self._small.pop(ino)
+            if not self._admissible(ino, version):
+                continue
+            try:
+                data = await self.reads.cached(version)  # (None: evicted meanwhile)
+            except Exception as exc:  # no copy, no harm
+                log.debug("no local copy of inode %d: %s", ino, exc)
+                continue
+            if data is not None:
+                batch.append((ino, version, data))
+        if not batch:
+            return
+        files = await trio.to_thread.run_sync(
+            self._fill, [(ino, data) for ino, _, data in batch], limiter=self.inodes.disk)
+        for (ino, version, data), made in zip(batch, files, strict=True):
+            if made is not None:
+                self._install(ino, version, *made, len(data))
+
+    def _fill(self, items: list[tuple[int, bytes]]) -> list[tuple[str, int] | None]:
+        filled: list[tuple[str, int] | None] = []
+        for ino, data in items:
+            try:
+                filled.append(self.local.filled(ino, data))
+            except OSError as exc:  # a full disk: no copy, reads stay with the daemon
+                log.debug("no local copy of inode %d: %s", ino, exc)
+                filled.append(None)
+        return filled
+
+    async def _admit_large(self, ino: int, version: ObjectVersion) -> None:
+        blocks = self.fetcher.blocks_of(version)
+        with trio.move_on_after(STORED_WAIT):
+            while not all(self.fetcher.stored(version, i) for i in range(blocks)):
+                if not self._read_whole(version):
+                    return  # a block was not admitted, or evicted: stays blocks
+                await trio.sleep(ADMIT_WAIT)
+        if not all(self.fetcher.stored(version, i) for i in range(blocks)) \
+                or not self._admissible(ino, version) or not self._room_for(version):
+            return
+        try:
+            name, fd = await trio.to_thread.run_sync(self.local.blank, ino,
+                                                     limiter=self.inodes.disk)
+        except OSError as exc:
+            log.debug("no local copy of inode %d: %s", ino, exc)
+            return
+        try:
+            bs = self.fetcher.block_size
+            for index in range(blocks):
+                await self.promoter.paced(min(bs, version.size - index * bs))
+                if not await trio.to_thread.run_sync(
+                        self.fetcher.copy_block, version, index, fd, index * bs,
+                        limiter=self.inodes.disk):
+                    self.local.discard(name, fd)
+                    return  # evicted meanwhile (or damaged): stays blocks
+            # durable before the blocks it replaces go
+            await trio.to_thread.run_sync(os.fdatasync, fd, limiter=self.inodes.disk)
+        except BaseException as exc:  # a full or failing disk: no copy, no harm
+            self.local.discard(name, fd)
+            if not isinstance(exc, OSError):
+                raise
+            log.debug("no local copy of inode %d: %s", ino, exc)
+            return
+        if self._install(ino, version, name, fd, version.size) \
+                and not self.inodes.is_open(ino):
+            # the copy holds the object now: its blocks go (a reader still open
+            # may be reading them: they age out instead)
+            await self.fetcher.forget_version(version)
+
+    def _install(self, ino: int, version: ObjectVersion, name: str, fd: int,
+                 size: int) -> bool:
+        """Make a filled file the clean copy of ``ino`` if still admissible."""
+        if not self._admissible(ino, version):
+            self.local.discard(name, fd)  # changed meanwhile: not this copy
+            return False
+        try:
+            self.local.adopt(ino, name, fd, size)
+        except OSError as exc:
+            log.debug("no local copy of inode %d: %s", ino, exc)
+            self.local.discard(name, fd)
+            return False
+        self.local.mark_clean(ino)
+        self.inodes.counters.admitted += 1
+        return True
+
+    def _read_whole(self, version: ObjectVersion) -> bool:
+        """Every block of ``version`` is cached, in memory or on its way to
+        the disk (a large block is stored by a thread after it is served)."""
+        return all(self.fetcher.available(version, i)
+                   for i in range(self.fetcher.blocks_of(version)))
+
+    def _admissible(self, ino: int, version: ObjectVersion) -> bool:
+        """``ino`` has no copy and its lake version is still ``version``."""
+        if self.local.has(ino):
+            return False
+        inode = self.meta.get(ino)
+        return inode is not None and not inode.orphan and self.reads.version(inode) == version
+
+    def _room_for(self, version: ObjectVersion) -> bool:
+        """Room for a large copy beside the blocks it is made from."""
+        try:
+            st = os.statvfs(self.local.root)
+        except OSError:
+            return False
+        # within the budget once the blocks are dropped; the disk holds both a while
+        budget = self.config.cache_size - self.cache.used - self.local.used
+        return budget + self.cache.cached_bytes(version) >= version.size \
+            and st.f_bavail * st.f_frsize >= version.size + ROOM_LEFT
