@@ -247,8 +247,8 @@ class Filesystem:
         self.open_files.release(fh)
 
     # -- direct handles, past the daemon (posix.direct) --------------------------------
-    async def direct_backing(self, fh: int, inode_is_direct: bool) -> int | None:
-        return await self.direct.backing(fh, inode_is_direct)
+    async def direct_backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:
+        return await self.direct.backing(fh, inode_is_direct, pid)
 
     def absorb(self, ino: int) -> None:
         self.direct.absorb(ino)

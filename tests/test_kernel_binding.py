@@ -273,10 +273,11 @@ def test_a_large_object_read_whole_goes_direct_from_then_on(lake, mounter) -> No
     # (the shard first: a copy of it would be queued, and made, before the object's)
     assert (m.path / "ds/shard.tar").read_bytes() == shard
     assert (m.path / "w/big.bin").read_bytes() == big
-    first = wait_for(lambda: (now := stats(m.path))["admitted"] > before["admitted"] and now,
-                     30, "a local copy of the object read whole")
+    first = wait_for(lambda: (now := stats(m.path))["admitted"] > before["admitted"]
+                     and now["cache_bytes"] <= len(shard) and now, 30,
+                     "a local copy of the object read whole, and its blocks gone")
     assert first["admitted"] == before["admitted"] + 1
-    assert first["cache_bytes"] == len(shard)  # its blocks went; the shard's stayed
+    assert first["cache_bytes"] == len(shard)  # the shard's blocks stayed
     assert first["local_bytes"] == len(big)
     assert (m.path / "w/big.bin").read_bytes() == big
     second = stats(m.path)

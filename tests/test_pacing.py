@@ -83,3 +83,36 @@ async def test_no_pacing_when_off_or_without_a_binding(autojump_clock, rate, sou
     if source:
         pacer.requests = lambda: _serving(3000)
     assert await _read(pacer, 128) == 0
+
+
+async def test_processes_reading_or_writing_direct_make_the_mount_busy(autojump_clock,
+                                                                       monkeypatch):
+    # Passthrough I/O reaches no daemon: the storage I/O of the processes that
+    # hold files open direct counts instead, while they hold them.
+    from aifs.flush import pacing
+    moved = {4242: 0}
+    monkeypatch.setattr(pacing, "_storage_io",
+                        lambda pid: moved.get(pid, 0) + int(trio.current_time() * 200 * MiB))
+    pacer = Pacer(RATE)
+    pacer.requests = lambda: 5  # the daemon serves nothing
+    pacer.io.watch(7, 4242)  # a writer of 200 MiB/s holds handle 7
+    took = await _read(pacer, 16)
+    assert took >= 128 * MiB / RATE - TICK
+    pacer.io.unwatch(7)
+    assert await _read(pacer, 128) <= HOLD + (RAMP + 2) * TICK
+
+
+def test_storage_io_of_a_process_is_what_it_wrote(tmp_path):
+    import os
+
+    from aifs.flush.pacing import ProcessIo
+    io = ProcessIo()
+    io.watch(1, os.getpid())
+    before = io.moved()
+    with open(tmp_path / "f", "wb") as fp:  # counted as the pages are dirtied
+        fp.write(os.urandom(4 * MiB))
+    assert io.moved() - before >= 4 * MiB
+    io.unwatch(1)
+    with open(tmp_path / "g", "wb") as fp:
+        fp.write(os.urandom(4 * MiB))
+    assert io.moved() - before < 8 * MiB

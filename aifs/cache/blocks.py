@@ -98,7 +98,7 @@ class BlockCache:
         self.used = 0
         self.evictions = 0
         self.refused = 0  # blocks not admitted (a full dataset share, or all pinned)
-        self._writer = DirectWriter()  # blocks skip the page cache: they are in memory
+        self.writer = DirectWriter()  # blocks skip the page cache: they are in memory
         self.segments = Segments(directory / "segments")
         self._where: dict[str, Location] = {}  # rel -> where a segment block is
         self._scan()
@@ -205,7 +205,7 @@ class BlockCache:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     self._label(path.parent, version)
                 tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
-                self._writer.write_file(tmp, data)
+                self.writer.write_file(tmp, data)
                 os.rename(tmp, path)
         except OSError as exc:
             # A full or failing cache disk costs speed, not correctness.

@@ -45,7 +45,7 @@ class Broken(Exception):
 class Response:
     status: int
     headers: dict[str, str]  # names in lower case
-    body: bytes
+    body: bytes | bytearray  # (a bytearray: a body received whole, never written to)
 
 
 class _Connection:
@@ -332,12 +332,7 @@ class AsyncConnections:
                 elif framing == "chunked":
                     body = await conn.chunks()  # (S3 error answers may come so)
                 elif isinstance(framing, int):
-                    length = framing
-                    if not await conn.fill_to(length):
-                        raise Broken(f"body cut short ({len(conn.buf)} of {length} bytes)",
-                                     "truncated")
-                    body = bytes(conn.buf[:length])
-                    del conn.buf[:length]
+                    body = await conn.body(framing)
                 else:  # to the end of the connection
                     while await conn.more():
                         pass
@@ -408,6 +403,31 @@ class _AsyncConnection:
             if not await self.more():
                 return False
         return True
+
+    async def body(self, length: int) -> bytearray:
+        """A body of ``length`` bytes, received into one buffer of its own: a
+        64 KiB ``recv`` appended to ``buf`` and copied out at the end cost
+        three copies of every byte, and fresh pages for each (an 8 MiB block:
+        12% of a cold read's CPU). Returned as the bytearray it was read into
+        (no one writes to it afterwards)."""
+        body = bytearray(length)
+        got = min(len(self.buf), length)
+        body[:got] = self.buf[:got]
+        del self.buf[:got]
+        with memoryview(body) as view:
+            while got < length:
+                try:
+                    n = self.sock.recv_into(view[got:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(self.sock)
+                    continue
+                except OSError as exc:  # the server had the request: not a stale connection
+                    raise Broken(f"connection broken: {type(exc).__name__}",
+                                 "truncated") from None
+                if not n:
+                    raise Broken(f"body cut short ({got} of {length} bytes)", "truncated")
+                got += n
+        return body
 
     async def chunks(self) -> bytes:
         pieces = []

@@ -64,13 +64,15 @@ class Direct:
         self.local = inodes.local
         self.writers: dict[int, Writing] = {}  # inodes that direct writers hold
         self.streams = writes.promoter.streams
+        self.pacer = writes.promoter.pacer
         self._writing = trio.Event()  # set when a direct writer opens
         self.admissions = Admissions(inodes, config, meta, reads, writes)
         self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
 
-    async def backing(self, fh: int, inode_is_direct: bool) -> int | None:
+    async def backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
-        ``inode_is_direct``: another handle of the inode is direct already."""
+        ``inode_is_direct``: another handle of the inode is direct already;
+        ``pid``: the opener, whose I/O promotion yields to (flush.pacing)."""
         inodes = self.inodes
         handle = inodes.files.get(fh)
         if handle is None:
@@ -102,6 +104,8 @@ class Direct:
             writing.handles += 1
             self._writing.set()
         inodes.counters.direct_opens += 1
+        if pid:
+            self.pacer.io.watch(fh, pid)
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
         return self.local.fd(ino)
@@ -178,6 +182,7 @@ class Direct:
     def released(self, fh: int) -> None:
         """Before the core releases ``fh``: the last direct writer takes its
         writes along."""
+        self.pacer.io.unwatch(fh)
         handle = self.inodes.files.get(fh)
         if handle is None or not handle.writable or handle.ino not in self.writers:
             return

@@ -518,31 +518,29 @@ class BlockFetcher:
         return self.cache.locate(version, index) is not None
 
     def copy_block(self, version: ObjectVersion, index: int, fd: int, offset: int) -> bool:
-        """Write cached block ``index`` of ``version`` into ``fd`` at ``offset``:
-        a block file copied by the kernel (``copy_file_range``: its bytes never
-        enter this process), a segment block read and checked. False if the
-        block is not cached (or read back damaged). Blocking: a worker thread's."""
+        """Write cached block ``index`` of ``version`` into ``fd`` (from
+        ``cache.writer.open``) at ``offset``: a block file copied past the page
+        cache, a segment block read and checked. False if the block is not
+        cached (or read back damaged). Blocking: a worker thread's."""
         where = self.cache.locate(version, index)
         length = min(self.block_size, version.size - index * self.block_size)
         if where is None or where.size != length:
             return False
+        if where.checksum is None:
+            return self.cache.writer.copy(where.path, where.offset, fd, offset, length)
         try:
             src = os.open(where.path, os.O_RDONLY)
         except FileNotFoundError:
             return False  # evicted since it was located
         try:
-            if where.checksum is None:
-                return _copy_range(src, where.offset, fd, offset, length)
             data = os.pread(src, length, where.offset)
-            if checksum(data) != where.checksum:
-                self.cache.drop(version, index, where)
-                return False
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(fd, view, offset + length - len(view)):]
-            return True
         finally:
             os.close(src)
+        if checksum(data) != where.checksum:
+            self.cache.drop(version, index, where)
+            return False
+        self.cache.writer.pwrite(fd, data, offset)
+        return True
 
     async def forget_version(self, version: ObjectVersion) -> None:
         """Drop every cached block of ``version`` (its bytes are kept elsewhere
@@ -553,20 +551,3 @@ class BlockFetcher:
             os.close(self._fds.pop(path))
         await trio.to_thread.run_sync(self.cache.forget, version, limiter=self._disk_limiter)
 
-
-def _copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> bool:
-    """Copy ``length`` bytes between files in the kernel; False if ``src`` is short."""
-    done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, src_offset + done,
-                                   dst_offset + done)
-        except OSError as exc:  # a filesystem pair the call does not take: by hand
-            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                raise
-            data = os.pread(src, min(length - done, 8 << 20), src_offset + done)
-            n = len(data) and os.pwrite(dst, data, dst_offset + done)
-        if n == 0:
-            return False
-        done += n
-    return True

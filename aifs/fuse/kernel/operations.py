@@ -190,18 +190,20 @@ class Operations:
         fh, keep_cache = await self.fs.open(req.nodeid, flags, req.uid)
         if open_flags & p.OPEN_KILL_SUIDGID:  # O_TRUNC by an unprivileged user
             self.fs.kill_setid(req.nodeid)
-        return await self._opened(req.nodeid, fh, flags, keep_cache)
+        return await self._opened(req.nodeid, fh, flags, keep_cache, req.pid)
 
     async def create(self, req: Request, body: memoryview) -> Reply:
         flags, mode, umask, _ = p.CREATE_IN.unpack_from(body)
         name, _ = p.cstring(body, p.CREATE_IN.size)
         fh, inode = await self.fs.create(req.nodeid, name, mode & ~umask, flags, req.uid,
                                          req.gid)
-        return [self.entry(inode), await self._opened(inode.ino, fh, flags, False)]
+        return [self.entry(inode), await self._opened(inode.ino, fh, flags, False,
+                                                          req.pid)]
 
-    async def _opened(self, ino: int, fh: int, flags: int, keep_cache: bool) -> bytes:
+    async def _opened(self, ino: int, fh: int, flags: int, keep_cache: bool,
+                      pid: int) -> bytes:
         try:
-            backing = await self.passthrough.backing_for(ino, fh)
+            backing = await self.passthrough.backing_for(ino, fh, pid)
         except BaseException:
             self.fs.release(fh)
             raise

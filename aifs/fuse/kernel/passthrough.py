@@ -29,12 +29,13 @@ class Passthrough:
         self.ids: dict[int, list[int]] = {}  # ino -> [backing id, direct handles]
         self.handles: dict[int, int] = {}  # direct fh -> ino
 
-    async def backing_for(self, ino: int, fh: int) -> int:
-        """The backing id an open of ``ino`` as ``fh`` replies with, or 0."""
+    async def backing_for(self, ino: int, fh: int, pid: int) -> int:
+        """The backing id an open of ``ino`` as ``fh`` (by thread ``pid``)
+        replies with, or 0."""
         if not self.enabled:
             return 0
         entry = self.ids.get(ino)
-        fd = await self.fs.direct_backing(fh, entry is not None)
+        fd = await self.fs.direct_backing(fh, entry is not None, pid)
         if fd is None:
             if entry is not None:
                 log.error("inode %d is open in passthrough, but handle %d cannot be", ino, fh)
