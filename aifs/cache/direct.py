@@ -28,6 +28,8 @@ import os
 import threading
 from collections.abc import Iterator
 
+from aifs import buffers
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
@@ -135,6 +137,12 @@ class DirectWriter:
     def _aligned(self, data: bytes | memoryview) -> Iterator[memoryview]:
         """``data`` in a reused page-aligned buffer, padded with zeros to a
         whole ``ALIGN`` (a view of the padded length)."""
+        if isinstance(data, memoryview):
+            whole = buffers.aligned(data)  # a body received aligned: written as it is
+            if whole is not None and not len(whole) % ALIGN:
+                with whole:
+                    yield whole
+                return
         size = len(data)
         padded = -(-size // ALIGN) * ALIGN
         buffer, address = self._take(padded)

@@ -55,11 +55,13 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     async def get_range(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes:
+                        if_match: str | None = None) -> bytes | memoryview:
         """Bytes [start, start+length) of the object; fewer at its end.
 
         With ``if_match`` a changed object raises PreconditionFailed instead
-        of returning bytes of another version.
+        of returning bytes of another version. A large body may come as a
+        read-only-by-convention view of a reused buffer (:mod:`aifs.buffers`):
+        it stays valid while referenced.
         """
 
     @abc.abstractmethod

@@ -29,6 +29,8 @@ from typing import Any
 
 import trio
 
+from aifs import buffers
+
 LINE = 65536  # longest status or header line taken
 
 
@@ -45,7 +47,7 @@ class Broken(Exception):
 class Response:
     status: int
     headers: dict[str, str]  # names in lower case
-    body: bytes | bytearray  # (a bytearray: a body received whole, never written to)
+    body: bytes | bytearray | memoryview  # (a body received whole: never written to)
 
 
 class _Connection:
@@ -69,7 +71,10 @@ class Connections:
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
 
-    def request(self, method: str, target: str, headers: dict[str, str]) -> Response:
+    def request(self, method: str, target: str, headers: dict[str, str],
+                pooled: bool = False) -> Response:
+        """One request and its answer; ``pooled``: a large successful body is
+        received into a reused aligned buffer (:mod:`aifs.buffers`): a view."""
         head = (f"{method} {target} HTTP/1.1\r\n"
                 + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
                 + "\r\n").encode("latin-1")
@@ -77,11 +82,11 @@ class Connections:
             conn = self._idle.pop() if self._idle else None
         if conn is not None:
             try:
-                return self._exchange(conn, method, head)
+                return self._exchange(conn, method, head, pooled)
             except _Stale:
                 pass  # closed while idle: once more on a new connection
         try:
-            return self._exchange(self._connect(), method, head)
+            return self._exchange(self._connect(), method, head, pooled)
         except _Stale as exc:
             raise Broken(f"connection closed before an answer ({exc.__cause__ or 'EOF'})",
                          "connection") from None
@@ -103,7 +108,8 @@ class Connections:
             raise Broken(f"TLS: {exc}", "connection", connecting=True) from None
         return _Connection(sock)
 
-    def _exchange(self, conn: _Connection, method: str, head: bytes) -> Response:
+    def _exchange(self, conn: _Connection, method: str, head: bytes,
+                  pooled: bool = False) -> Response:
         """Send one request and read its answer; the connection is kept if it may be."""
         started = False  # any byte of the answer read
         try:
@@ -134,7 +140,10 @@ class Connections:
                 body = _chunks(conn)
             elif isinstance(framing, int):
                 length = framing
-                body = conn.rfile.read(length)
+                if pooled and status in (200, 206) and length >= buffers.MIN_SIZE:
+                    body = _read_into(conn, buffers.take(length))
+                else:
+                    body = conn.rfile.read(length)
                 if len(body) != length:
                     raise Broken(f"body cut short ({len(body)} of {length} bytes)",
                                  "truncated")
@@ -170,6 +179,17 @@ class Connections:
 
 class _Stale(Exception):
     """The connection was closed before any byte of the answer."""
+
+
+def _read_into(conn: _Connection, view: memoryview) -> memoryview:
+    """Fill ``view`` from the connection (a view of what came, if it ended)."""
+    got = 0
+    while got < len(view):
+        n = conn.rfile.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return view[:got]
 
 
 def _head(status_line: bytes, lines: list[bytes]) -> tuple[int, dict[str, str], bool]:
@@ -405,11 +425,10 @@ class _AsyncConnection:
         return True
 
     async def body(self, length: int) -> bytearray:
-        """A body of ``length`` bytes, received into one buffer of its own: a
+        """A body of ``length`` bytes, received into one buffer of its own (a
         64 KiB ``recv`` appended to ``buf`` and copied out at the end cost
-        three copies of every byte, and fresh pages for each (an 8 MiB block:
-        12% of a cold read's CPU). Returned as the bytearray it was read into
-        (no one writes to it afterwards)."""
+        three copies of every byte). Returned as the bytearray it was read
+        into (no one writes to it afterwards)."""
         body = bytearray(length)
         got = min(len(self.buf), length)
         body[:got] = self.buf[:got]

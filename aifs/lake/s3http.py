@@ -152,12 +152,13 @@ class SignedHTTP:
                                exc.cause)
 
     def _send(self, method: str, key: str | None, what: str, extra: dict[str, str],
-              params: dict[str, str] | None = None) -> Response:
-        """Send a request for ``key`` (None: the bucket itself); its whole answer."""
+              params: dict[str, str] | None = None, pooled: bool = False) -> Response:
+        """Send a request for ``key`` (None: the bucket itself); its whole answer
+        (``pooled``: a large body in a reused aligned buffer, :mod:`aifs.buffers`)."""
         target, headers = self._prepare(method, key, extra, params)
         if self.direct is not None:
             try:
-                return self.direct.request(method, target, headers)
+                return self.direct.request(method, target, headers, pooled)
             except Broken as exc:
                 raise self._unavailable(exc, what) from None
         try:
@@ -211,7 +212,7 @@ class SignedHTTP:
                   if_match: str | None) -> bytes:
         what = f"GET {name}"
         return self._range(self._send("GET", key, what, self._range_headers(
-            start, length, if_match)), what, start, length)
+            start, length, if_match), pooled=True), what, start, length)
 
     def credentials_due(self) -> bool:
         """Whether signing now would refresh the credentials (an STS or instance
