@@ -65,7 +65,8 @@ class LocalStore(ObjectStore):
         except NotADirectoryError as exc:
             raise ObjectNotFound(f"no such object: {exc.filename}") from exc
         except OSError as exc:
-            raise LakeError(f"local lake {self.root}: {exc.strerror}: {exc.filename}") from exc
+            where = f": {exc.filename}" if exc.filename else ""  # (a write's error names none)
+            raise LakeError(f"local lake {self.root}: {exc.strerror}{where}") from exc
 
     def _path(self, key: str) -> str:
         full = self.prefix + key
