@@ -11,7 +11,12 @@ is, and the mapping is used again once no view of it is left.
 
 A mapping is free when nothing refers to it but the pool: every view of it
 holds a reference to it (through the buffer it exports) until released, so
-CPython's reference count says when the last one is gone.
+CPython's reference count says when the last one is gone. What that count
+reads for an idle mapping depends on the interpreter (3.14 passes some
+arguments without a reference of their own), so it is measured at import,
+the same way :func:`take` reads it, and checked to rise with a live view;
+where it does not (or without the GIL, where counts are not exact), no
+mapping is reused.
 """
 
 from __future__ import annotations
@@ -28,9 +33,6 @@ MIN_SIZE = 1 << 20  # smaller bodies are not worth a mapping of their own
 _lock = threading.Lock()
 _pool: dict[int, list] = {}  # id(mapping) -> [mapping, its address, length taken]
 _pooled = 0
-#: references to a pooled mapping, seen from :func:`take`'s loop, when nothing
-#: else holds it: the pool's list, the loop's name, getrefcount's argument
-_IDLE_REFS = 3
 
 
 def _address(buffer: mmap.mmap | memoryview) -> int:
@@ -41,6 +43,29 @@ def _address(buffer: mmap.mmap | memoryview) -> int:
         del probe
 
 
+def _refs(entry: list) -> int:
+    """References to a pool entry's mapping, read the one way it is read."""
+    return sys.getrefcount(entry[0])
+
+
+def _calibrate() -> int | None:
+    """What :func:`_refs` reads for an idle pooled mapping, or None where a
+    live view does not raise it by one (then nothing is reused)."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return None
+    entry = [mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE), 0, 0]
+    idle = _refs(entry)
+    view = memoryview(entry[0])[:1]
+    held = _refs(entry)
+    view.release()
+    entry[0].close()
+    return idle if held == idle + 1 else None
+
+
+#: what _refs reads when nothing but the pool holds a mapping (None: no reuse)
+_IDLE_REFS = _calibrate()
+
+
 def take(length: int) -> memoryview:
     """A writable view of ``length`` bytes at the start of a page-aligned
     mapping at least that long (its content is whatever it last held)."""
@@ -48,12 +73,11 @@ def take(length: int) -> memoryview:
     size = -(-length // PAGE) * PAGE
     with _lock:
         for entry in _pool.values():
-            buffer = entry[0]
-            if len(buffer) >= size and sys.getrefcount(buffer) == _IDLE_REFS:
+            if len(entry[0]) >= size and _refs(entry) == _IDLE_REFS:
                 entry[2] = length
-                return memoryview(buffer)[:length]
+                return memoryview(entry[0])[:length]
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # (shared would be shmem)
-        if _pooled + size <= POOL_BYTES:
+        if _IDLE_REFS is not None and _pooled + size <= POOL_BYTES:
             _pool[id(buffer)] = [buffer, _address(buffer), length]
             _pooled += size
     return memoryview(buffer)[:length]

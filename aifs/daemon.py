@@ -4,7 +4,6 @@ readiness (sd_notify and the parent's pipe), clean shutdown."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import faulthandler
 import fcntl
@@ -237,10 +236,10 @@ def keep_freed_memory() -> None:
     the heap back), and the kernel faults in and zeroes new pages as a body
     is received into them: on a machine whose free memory goes back to its
     hypervisor that cost 0.1-0.2 CPU-s per GiB read cold (1.50 -> 1.34 in
-    ``tests/bench/cpu_per_gib.py``). What stays kept is bounded by the
-    blocks held in memory (``memory_cache``) and in flight."""
+    ``tests/bench/cpu_per_gib.py``). Up to TRIM_THRESHOLD freed bytes may
+    stay with the process per malloc arena."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc = ctypes.CDLL(None)  # (the process's own symbols: libc's among them)
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     except (OSError, AttributeError):  # not glibc: its defaults

@@ -294,6 +294,23 @@ def test_a_large_object_read_whole_goes_direct_from_then_on(lake, mounter) -> No
              "another node's version to replace the local copy")
 
 
+def test_a_large_object_still_open_keeps_its_blocks_until_its_last_close(lake,
+                                                                          mounter) -> None:
+    # The copy is made when the reader that read it whole closes; another
+    # reader still open may be reading the blocks, so they go at its close.
+    big = os.urandom(4 * MiB + 12345)
+    lake.put("w/held.bin", big)
+    m = kernel_mount(lake, mounter, "--block-size", "1M")
+    with open(m.path / "w/held.bin", "rb") as holder:
+        assert (m.path / "w/held.bin").read_bytes() == big
+        made = wait_for(lambda: (now := stats(m.path))["admitted"] == 1 and now, 30,
+                        "a local copy of the object read whole")
+        assert made["cache_bytes"] == len(big)  # the holder may read them
+        assert holder.read() == big
+    wait_for(lambda: stats(m.path)["cache_bytes"] == 0, 30, "its blocks gone at the last close")
+    assert (m.path / "w/held.bin").read_bytes() == big
+
+
 def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
     # The kernel asks for directory pages of up to 1 MiB (MAX_PAGES): a page
     # holds thousands of entries, more than one writev may carry in pieces.

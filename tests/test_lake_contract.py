@@ -43,6 +43,19 @@ async def test_put_head_get(store, lake):
     assert lake.get("a/b.bin") == b"0123456789"
 
 
+async def test_a_large_body_is_bytes_to_every_caller_but_the_block_fetcher(store):
+    # The block fetcher's GETs (get_block) may receive a large body into a
+    # reused aligned buffer; every other reader (a pack journal's JSON, a
+    # symlink's target) gets bytes, whatever the body's size.
+    data = os.urandom(3 << 20)
+    await store.put("big/journal.json", data)
+    got = await store.get_range("big/journal.json", 0, len(data))
+    assert type(got) is bytes and got == data
+    block = await store.get_block("big/journal.json", 0, len(data))
+    assert bytes(block) == data
+    assert bytes(await store.get_block("big/journal.json", 1 << 20, 5)) == data[1 << 20:][:5]
+
+
 async def test_keys_that_need_quoting(store, lake):
     """Keys with spaces, reserved and non-ASCII characters: the same object
     whichever way it is asked for (signed requests quote them right)."""

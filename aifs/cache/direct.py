@@ -106,8 +106,19 @@ class DirectWriter:
         (see above: ``copy_file_range`` allocated two per page copied, 0.5
         CPU-s per GiB here). An unaligned last piece is written padded to a
         whole ``ALIGN``: truncate ``dst`` afterwards. False if ``src`` is short."""
-        direct = self.enabled and fcntl.fcntl(dst, fcntl.F_GETFL) & os.O_DIRECT \
-            and not (src_offset | dst_offset) % ALIGN
+        direct = bool(self.enabled and fcntl.fcntl(dst, fcntl.F_GETFL) & os.O_DIRECT
+                      and not (src_offset | dst_offset) % ALIGN)
+        try:
+            return self._copy(src, src_offset, dst, dst_offset, length, direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+        # refused (a device whose blocks are larger than ALIGN): through the page cache
+        fcntl.fcntl(dst, fcntl.F_SETFL, fcntl.fcntl(dst, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return self._copy(src, src_offset, dst, dst_offset, length, False)
+
+    def _copy(self, src: str, src_offset: int, dst: int, dst_offset: int, length: int,
+              direct: bool) -> bool:
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         try:
             fd = os.open(src, flags)

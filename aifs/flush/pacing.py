@@ -69,7 +69,10 @@ class ProcessIo:
     def unwatch(self, fh: int) -> None:
         pid = self._holders.pop(fh, None)
         if pid is not None:
-            self._handles[pid] -= 1  # (forgotten by moved() once it held none a tick)
+            self._handles[pid] -= 1
+            if self._handles[pid] <= 0 and pid not in self._last:
+                del self._handles[pid]  # never looked at: nothing to count
+            # (else its last bytes are counted by the next moved(), then it goes)
 
     def moved(self) -> int:
         """Bytes moved by the watched processes (monotonic). A process seen

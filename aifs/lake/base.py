@@ -55,14 +55,20 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     async def get_range(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> bytes:
         """Bytes [start, start+length) of the object; fewer at its end.
 
         With ``if_match`` a changed object raises PreconditionFailed instead
-        of returning bytes of another version. A large body may come as a
-        read-only-by-convention view of a reused buffer (:mod:`aifs.buffers`):
-        it stays valid while referenced.
+        of returning bytes of another version.
         """
+
+    async def get_block(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes | memoryview:
+        """:meth:`get_range` for the block fetcher, whose bodies the block
+        cache writes with O_DIRECT: a large one may come as a view of a
+        reused aligned buffer (:mod:`aifs.buffers`; valid while referenced,
+        never written to). Every other caller gets bytes from get_range."""
+        return await self.get_range(key, start, length, if_match)
 
     @abc.abstractmethod
     async def put(self, key: str, data: bytes,

@@ -70,6 +70,13 @@ class CountingStore(ObjectStore):
         self.bytes_read += len(data)
         return data
 
+    async def get_block(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes | memoryview:
+        data = await self._count("GetObject",
+                                 lambda: self.inner.get_block(key, start, length, if_match))
+        self.bytes_read += len(data)
+        return data
+
     async def put(self, key: str, data: bytes,
                   metadata: dict[str, str] | None = None) -> ObjectInfo:
         info = await self._count("PutObject", lambda: self.inner.put(key, data, metadata))

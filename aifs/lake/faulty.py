@@ -75,6 +75,11 @@ class FaultyStore(ObjectStore):
         return await self._call(f"GET {key}", lambda: self.inner.get_range(
             key, start, length, if_match))
 
+    async def get_block(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes | memoryview:
+        return await self._call(f"GET {key}", lambda: self.inner.get_block(
+            key, start, length, if_match))
+
     async def put(self, key: str, data: bytes,
                   metadata: dict[str, str] | None = None) -> ObjectInfo:
         return await self._call(f"PUT {key}", lambda: self.inner.put(key, data, metadata))

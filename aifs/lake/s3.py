@@ -152,6 +152,14 @@ class S3Store(ObjectStore):
 
     async def get_range(self, key: str, start: int, length: int,
                         if_match: str | None = None) -> bytes:
+        return bytes(await self._get(key, start, length, if_match, False))
+
+    async def get_block(self, key: str, start: int, length: int,
+                        if_match: str | None = None) -> bytes | memoryview:
+        return await self._get(key, start, length, if_match, True)
+
+    async def _get(self, key: str, start: int, length: int, if_match: str | None,
+                   pooled: bool) -> bytes | memoryview:
         if length <= 0:
             return b""
         if self.http is not None:
@@ -161,7 +169,7 @@ class S3Store(ObjectStore):
                     return await http.get_range_async(self._k(key), key, start, length,
                                                        if_match)
             return await self._call(f"GET {key}", lambda: http.get_range(
-                self._k(key), key, start, length, if_match))
+                self._k(key), key, start, length, if_match, pooled))
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key),
                                 "Range": f"bytes={start}-{start + length - 1}"}
         if if_match:

@@ -209,10 +209,12 @@ class SignedHTTP:
         return ObjectInfo(name, int(h["content-length"]), h["etag"], modified, meta)
 
     def get_range(self, key: str, name: str, start: int, length: int,
-                  if_match: str | None) -> bytes:
+                  if_match: str | None, pooled: bool = False) -> bytes | memoryview:
+        """The bytes (``pooled``: a large body may come as a view of a reused
+        aligned buffer, :mod:`aifs.buffers`)."""
         what = f"GET {name}"
         return self._range(self._send("GET", key, what, self._range_headers(
-            start, length, if_match), pooled=True), what, start, length)
+            start, length, if_match), pooled=pooled), what, start, length)
 
     def credentials_due(self) -> bool:
         """Whether signing now would refresh the credentials (an STS or instance
@@ -239,7 +241,8 @@ class SignedHTTP:
             extra["if-match"] = if_match
         return extra
 
-    def _range(self, resp: Response, what: str, start: int, length: int) -> bytes:
+    def _range(self, resp: Response, what: str, start: int,
+               length: int) -> bytes | memoryview:
         data = resp.body
         if resp.status == 416:
             return b""  # the range starts at or past the end: nothing there

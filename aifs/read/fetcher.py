@@ -50,9 +50,16 @@ async def read_at(fd: int, offset: int, length: int,
             raise
         got = os.preadv(fd, [buf], offset)
     if got < length:
-        view = memoryview(buf)[got:]
-        got += await trio.to_thread.run_sync(os.preadv, fd, [view], offset + got,
-                                              limiter=limiter)
+        # The thread reads a descriptor of its own: the caller's may be closed
+        # (a cache of open files closes its oldest) and its number reused by
+        # another file while the thread waits for the limiter or the disk.
+        own = os.dup(fd)
+        try:
+            view = memoryview(buf)[got:]
+            got += await trio.to_thread.run_sync(os.preadv, own, [view], offset + got,
+                                                  limiter=limiter)
+        finally:
+            os.close(own)
     return memoryview(buf)[:got]
 
 
@@ -335,10 +342,10 @@ class BlockFetcher:
             offset = index * self.block_size
             length = min(self.block_size, version.size - offset)
             if version.source:  # a packed file: a range of its (immutable) pack
-                data = await self.store.get_range(version.source, version.base + offset,
+                data = await self.store.get_block(version.source, version.base + offset,
                                                   length)
             else:
-                data = await self.store.get_range(version.key, offset, length,
+                data = await self.store.get_block(version.key, offset, length,
                                                   if_match=version.etag or None)
             self.stats.lake_gets += 1
             self.stats.lake_bytes += len(data)
