@@ -35,7 +35,8 @@ _pool: dict[int, list] = {}  # id(mapping) -> [mapping, its address, length take
 _pooled = 0
 
 
-def _address(buffer: mmap.mmap | memoryview) -> int:
+def address(buffer: mmap.mmap | memoryview) -> int:
+    """Where a writable buffer's bytes start."""
     probe = ctypes.c_char.from_buffer(buffer)  # (an export of its own: released below)
     try:
         return ctypes.addressof(probe)
@@ -78,7 +79,7 @@ def take(length: int) -> memoryview:
                 return memoryview(entry[0])[:length]
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # (shared would be shmem)
         if _IDLE_REFS is not None and _pooled + size <= POOL_BYTES:
-            _pool[id(buffer)] = [buffer, _address(buffer), length]
+            _pool[id(buffer)] = [buffer, address(buffer), length]
             _pooled += size
     return memoryview(buffer)[:length]
 
@@ -94,10 +95,10 @@ def aligned(view: memoryview) -> memoryview | None:
         entry = _pool.get(id(base))
         if entry is None or entry[0] is not base or entry[2] != len(view):
             return None
-        address = entry[1]
-    if _address(view) != address:
+        start = entry[1]
+    if address(view) != start:
         return None  # a slice, not the body
     padded = -(-len(view) // PAGE) * PAGE
     if padded > len(view):
-        ctypes.memset(address + len(view), 0, padded - len(view))
+        ctypes.memset(start + len(view), 0, padded - len(view))
     return memoryview(base)[:padded]

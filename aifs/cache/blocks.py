@@ -336,12 +336,15 @@ class BlockCache:
         except OSError:
             pass
 
-    def forget(self, version: ObjectVersion) -> None:
-        """Drop every block of ``version`` (a local copy holds its bytes now)."""
+    def forget(self, version: ObjectVersion) -> list[str]:
+        """Drop every block of ``version`` (a local copy holds its bytes now);
+        the paths of the block files that were (:meth:`locate`'s)."""
         with self._lock:
             rels = list(self._blocks.get(version.ident, {}))
+            files = [str(self.root / rel) for rel in rels if rel not in self._where]
         for rel in rels:
             self._forget(rel)
+        return files
 
     def close(self) -> None:
         self.segments.close()

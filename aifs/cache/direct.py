@@ -36,10 +36,6 @@ ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 COPY_CHUNK = 8 << 20  # bytes per read and write of a copy
 
 
-def _address(buffer: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
 class DirectWriter:
     """Writes whole files with O_DIRECT where the filesystem allows it."""
 
@@ -188,7 +184,7 @@ class DirectWriter:
                 if len(buffer) >= size:
                     return self._free.pop(i)
         buffer = mmap.mmap(-1, max(size, ALIGN))  # page-aligned, zeroed
-        return buffer, _address(buffer)
+        return buffer, buffers.address(buffer)
 
     def _give_back(self, buffer: mmap.mmap, address: int) -> None:
         with self._lock:

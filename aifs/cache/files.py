@@ -263,8 +263,7 @@ class LocalFiles:
         """A file holding ``data``, to become the copy of ``ino`` by
         :meth:`adopt` (whole or not at all): a spare, else a new file.
         Blocking; safe in a worker thread."""
-        # (not tmp_path: a materialization may be using it)
-        name, fd = self._empty_file(f"{self._prefix}admit-{ino}")
+        name, fd = self.blank(ino)
         try:
             view = memoryview(data)
             while view:
@@ -277,6 +276,7 @@ class LocalFiles:
     def blank(self, ino: int) -> tuple[str, int]:
         """An empty file to fill and make the copy of ``ino`` by :meth:`adopt`
         (or :meth:`discard`). Blocking; safe in a worker thread."""
+        # (not tmp_path: a materialization may be using it)
         return self._empty_file(f"{self._prefix}admit-{ino}")
 
     @staticmethod

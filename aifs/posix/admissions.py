@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import trio
 
@@ -81,7 +82,8 @@ class ReadBefore:
 
 class Admissions:
     def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
-                 writes: Writes) -> None:
+                 writes: Writes, disk_free: Callable[[], int]) -> None:
+        self.disk_free = disk_free  # free bytes on the cache disk (Direct's reading)
         self.inodes = inodes
         self.config = config
         self.meta = meta
@@ -176,13 +178,17 @@ class Admissions:
 
     async def _admit_large(self, ino: int, version: ObjectVersion) -> None:
         blocks = self.fetcher.blocks_of(version)
+        stored = 0  # blocks [0, stored) are on the disk
         with trio.move_on_after(STORED_WAIT):
-            while not all(self.fetcher.stored(version, i) for i in range(blocks)):
-                if not self._read_whole(version):
-                    return  # a block was not admitted, or evicted: stays blocks
-                await trio.sleep(ADMIT_WAIT)
-        if not all(self.fetcher.stored(version, i) for i in range(blocks)) \
-                or not self._admissible(ino, version) or not self._room_for(version):
+            while stored < blocks:
+                if self.fetcher.stored(version, stored):
+                    stored += 1
+                elif self.fetcher.available(version, stored):
+                    await trio.sleep(ADMIT_WAIT)  # (a store thread has it)
+                else:
+                    return  # not admitted, or evicted: stays blocks
+        if stored < blocks or not self._admissible(ino, version) \
+                or not self._room_for(version):
             return
         try:
             name, fd = await trio.to_thread.run_sync(self.local.blank, ino,
@@ -246,9 +252,11 @@ class Admissions:
 
     def _read_whole(self, version: ObjectVersion) -> bool:
         """Every block of ``version`` is cached, in memory or on its way to
-        the disk (a large block is stored by a thread after it is served)."""
+        the disk (a large block is stored by a thread after it is served).
+        Asked at a reader's close: the last block first, which a reader of
+        part of the file most often lacks."""
         return all(self.fetcher.available(version, i)
-                   for i in range(self.fetcher.blocks_of(version)))
+                   for i in reversed(range(self.fetcher.blocks_of(version))))
 
     def _admissible(self, ino: int, version: ObjectVersion) -> bool:
         """``ino`` has no copy and its lake version is still ``version``."""
@@ -262,11 +270,7 @@ class Admissions:
 
     def _room_for(self, version: ObjectVersion) -> bool:
         """Room for a large copy beside the blocks it is made from."""
-        try:
-            st = os.statvfs(self.local.root)
-        except OSError:
-            return False
         # within the budget once the blocks are dropped; the disk holds both a while
         budget = self.config.cache_size - self.cache.used - self.local.used
         return budget + self.cache.cached_bytes(version) >= version.size \
-            and st.f_bavail * st.f_frsize >= version.size + ROOM_LEFT
+            and self.disk_free() >= version.size + ROOM_LEFT

@@ -66,7 +66,7 @@ class Direct:
         self.streams = writes.promoter.streams
         self.pacer = writes.promoter.pacer
         self._writing = trio.Event()  # set when a direct writer opens
-        self.admissions = Admissions(inodes, config, meta, reads, writes)
+        self.admissions = Admissions(inodes, config, meta, reads, writes, self._disk_free)
         self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
 
     async def backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:

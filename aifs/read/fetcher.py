@@ -553,8 +553,9 @@ class BlockFetcher:
         """Drop every cached block of ``version`` (its bytes are kept elsewhere
         now: a local copy); no reader may be reading them."""
         self.forget_object(version.ident)
-        directory = str(self.cache.root / version.ident[:2] / version.ident) + "/"
-        for path in [path for path in self._fds if path.startswith(directory)]:
-            os.close(self._fds.pop(path))
-        await trio.to_thread.run_sync(self.cache.forget, version, limiter=self._disk_limiter)
+        for path in await trio.to_thread.run_sync(self.cache.forget, version,
+                                                  limiter=self._disk_limiter):
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                os.close(fd)  # (an unlinked file's space is freed at its last close)
 
