@@ -64,6 +64,17 @@ class BucketNotFound(LakeError):
     pass
 
 
+class LakeFull(LakeError):
+    """The lake has no room for what was sent: its disk is full (a local
+    lake; MinIO's ``XMinioStorageFull``) or a quota is spent (Ceph's
+    ``QuotaExceeded``, which comes as a 403 and must not read as bad
+    credentials). Nothing was stored; promotion tries again later."""
+
+    def __init__(self, message: str, quota: bool = False) -> None:
+        super().__init__(message)
+        self.errno = errno.EDQUOT if quota else errno.ENOSPC
+
+
 class InvalidKey(LakeError):
     """A key the store cannot hold (for example ``..`` in a local lake)."""
 

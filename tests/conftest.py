@@ -78,9 +78,11 @@ def free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, kind: str, endpoint: str, access_key: str, secret_key: str) -> None:
+    def __init__(self, kind: str, endpoint: str, access_key: str, secret_key: str,
+                 directory: Path | None = None) -> None:
         self.kind = kind
         self.endpoint = endpoint
+        self.directory = directory  # a Ceph cluster's (its ceph.conf, for radosgw-admin)
         self.env = {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
                     "AWS_DEFAULT_REGION": "us-east-1",
                     "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
@@ -137,7 +139,7 @@ def ceph_process(directory: Path, store_gb: int = 20) -> Iterator[S3Server]:
                                 capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
-        yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret")
+        yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret", directory)
     finally:
         subprocess.run(["bash", str(CEPH_SCRIPT), "stop", str(directory)], env=env,
                        capture_output=True, timeout=120)
@@ -677,7 +679,7 @@ def lake_upload_parts(lake: Lake) -> int:
     for upload in uploads:
         try:
             parts += sum(1 for name in os.listdir(lake.root / LOCAL_STAGING / upload)
-                         if name.startswith("part-"))
+                         if name.startswith(("part-", "at-")))
         except (FileNotFoundError, NotADirectoryError):
             continue  # completed or aborted since the listing (as on S3 above)
     return parts

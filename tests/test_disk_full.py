@@ -103,3 +103,64 @@ def test_a_file_whose_write_failed_is_not_published(lake, mounter, small_disk, a
     assert len(kept) == 1 and kept[0].stat().st_size > 0
     status = aifs_cli("status", str(again.path))
     assert "recovered" in status.stdout and "1 file" in status.stdout, status.stdout
+
+
+def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, aifs_cli,
+                                                          tmp_path):
+    """The lake itself has no room (here a local lake on a 16 MiB disk; a
+    spent Ceph quota or a full MinIO answers the same): `aifs sync` fails
+    with ENOSPC and one line that says so, not EIO; no partial object shows
+    in the lake; the file stays readable here; once the lake has room again
+    the next sync puts it there whole."""
+    from conftest import Lake
+
+    from aifs import xattrs
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    lake = Lake("local", f"file://{small_disk / 'lake'}", {}, [], root=small_disk / "lake")
+    (small_disk / "lake").mkdir()
+    mount = mounter(lake, "--promote-delay", "3600")
+    data = os.urandom(24 * MiB)
+    (mount.path / "big.bin").write_bytes(data)
+    with pytest.raises(OSError) as full:
+        os.getxattr(mount.path / "big.bin", xattrs.SYNC)
+    assert full.value.errno == errno.ENOSPC
+    result = aifs_cli("sync", str(mount.path), "--quiet")
+    assert result.returncode != 0
+    assert "No space left on device" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "big.bin" not in lake_tree(lake)[0]
+    assert (mount.path / "big.bin").read_bytes() == data
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    assert aifs_cli("sync", str(mount.path), "--quiet").returncode == 0
+    assert lake_tree(lake)[0]["big.bin"] == data
+
+
+@pytest.mark.parametrize("lake", ["ceph"], indirect=True)
+def test_a_spent_lake_quota_is_said_to_be_spent_not_bad_credentials(lake, mounter,
+                                                                     aifs_cli):
+    """Ceph answers a PUT past a bucket's quota with 403 QuotaExceeded: that
+    is EDQUOT and a line that names the quota, not "check the credentials";
+    the file stays here and goes once the quota is lifted."""
+    from aifs import xattrs
+
+    def quota(*args: str) -> None:
+        subprocess.run(["radosgw-admin", "-c", str(lake.server.directory / "ceph.conf"),
+                        "quota", *args, "--quota-scope=bucket", f"--bucket={lake.bucket}"],
+                       check=True, capture_output=True, timeout=60)
+
+    quota("set", "--max-size=1048576")
+    quota("enable")
+    mount = mounter(lake, "--promote-delay", "3600")
+    data = os.urandom(4 * MiB)
+    (mount.path / "model.bin").write_bytes(data)
+    with pytest.raises(OSError) as spent:
+        os.getxattr(mount.path / "model.bin", xattrs.SYNC)
+    assert spent.value.errno == errno.EDQUOT
+    result = aifs_cli("sync", str(mount.path), "--quiet")
+    assert result.returncode != 0 and "QuotaExceeded" in result.stderr, result.stderr
+    assert "credentials" not in result.stderr and "Traceback" not in result.stderr
+    assert "model.bin" not in lake_tree(lake)[0]
+    quota("disable")
+    assert aifs_cli("sync", str(mount.path), "--quiet").returncode == 0
+    assert lake_tree(lake)[0]["model.bin"] == data

@@ -636,12 +636,12 @@ class PartGatedStore(GatedStore):
         self.part_held = trio.Event()
         self.part_go = trio.Event()
 
-    async def upload_part(self, key, upload_id, number, data):
+    async def upload_part(self, key, upload_id, number, data, offset=None):
         self.parts += 1
         if number == 2:
             self.part_held.set()
             await self.part_go.wait()
-        return await super().upload_part(key, upload_id, number, data)
+        return await super().upload_part(key, upload_id, number, data, offset)
 
 
 async def test_a_rename_over_a_file_being_uploaded_stops_that_upload(tmp_path, nursery):

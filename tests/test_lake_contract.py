@@ -134,6 +134,31 @@ async def test_multipart(store):
     assert await store.list_multipart("mp/gone") == []
 
 
+async def test_multipart_parts_sent_with_their_offsets(store, tmp_path):
+    """Parts sent with where they begin (as promotion sends them), out of
+    order, one sent again, make the object their bytes make; a part sent
+    again shorter leaves nothing of its first bytes past the object's end,
+    and parts sent without offsets still complete (the local lake writes
+    the first into one file and copies the second kind)."""
+    part = os.urandom(5 * 1024 * 1024)
+    whole = part + part[::-1] + b"tail"
+    upload = await store.create_multipart("mp/placed")
+    etags = dict([(3, await store.upload_part("mp/placed", upload, 3, b"tail-and-more",
+                                              2 * len(part))),
+                  (2, await store.upload_part("mp/placed", upload, 2, part[::-1], len(part))),
+                  (1, await store.upload_part("mp/placed", upload, 1, part, 0))])
+    etags[3] = await store.upload_part("mp/placed", upload, 3, b"tail", 2 * len(part))
+    info = await store.complete_multipart("mp/placed", upload, sorted(etags.items()))
+    assert info.size == len(whole)
+    assert await store.get_range("mp/placed", 0, len(whole) + 10) == whole
+    assert await store.list_multipart("mp/placed") == []
+    mixed = await store.create_multipart("mp/mixed")
+    parts = [(1, await store.upload_part("mp/mixed", mixed, 1, part, 0)),
+             (2, await store.upload_part("mp/mixed", mixed, 2, b"unplaced"))]
+    await store.complete_multipart("mp/mixed", mixed, parts)
+    assert await store.get_range("mp/mixed", 0, len(part) + 10) == part + b"unplaced"
+
+
 async def test_delete_many_and_copy(store):
     await store.put("c/one", b"1", {"uid": "7"})
     etag = await store.copy("c/one", "c/two")

@@ -17,6 +17,7 @@ filesystem is :class:`aifs.flush.host.PromotionHost`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import logging
 import math
@@ -73,7 +74,8 @@ class Promoter:
         self._forced: set[int] = set()
         self._active: set[int] = set()
         self._deciding: set[int] = set()  # active, not yet handed to the packer or uploading
-        self._failures: dict[int, tuple[int, str, float]] = {}  # ino -> (count, why, when)
+        # ino -> (count, why, when); why: the error (its errno is sync's answer) or a reason
+        self._failures: dict[int, tuple[int, str | Exception, float]] = {}
         self._wake = trio.Event()
         self._sleeps_until = -math.inf  # when the loop wakes by itself
         self._progress = trio.Event()
@@ -183,7 +185,7 @@ class Promoter:
             self._failures.pop(ino, None)
         except LakeError as exc:
             count = self._failures.get(ino, (0, "", 0.0))[0] + 1
-            self._failures[ino] = (count, str(exc), trio.current_time())
+            self._failures[ino] = (count, exc, trio.current_time())
             self.stats.failures += 1
             pause = PROMOTION_BACKOFF.delay(count)
             log.warning("promotion of inode %d failed (%s); next try in %.1fs", ino, exc, pause)
@@ -192,7 +194,7 @@ class Promoter:
             current = self.meta.get(ino)
             if current is not None and not current.orphan:
                 log.error("promotion of inode %d failed: %s", ino, exc)
-                self._failures[ino] = (1, str(exc), trio.current_time())
+                self._failures[ino] = (1, exc, trio.current_time())
                 self.schedule(ino, 30.0)
             # else: deleted while it uploaded; its local copy went with it
         except Exception as exc:  # a bug must not end the promotion loop
@@ -510,10 +512,12 @@ class Promoter:
             # once all that is left keeps failing (one file the lake refuses
             # must not leave every other one out of the lake at unmount).
             stuck: list[str] = []
+            errnos: list[int] = []  # of what is stuck, where an error says it
             if packing:
                 count, why, when = self.packer.failure
                 if count >= 2 and when >= started:
                     stuck.append(f"packing small files: {why}")
+                    errnos.append(getattr(why, "errno", None) or errno.EIO)
                 self.packer.hurry()
             failing = 0
             for ino in waiting:
@@ -521,6 +525,7 @@ class Promoter:
                 if failure and failure[2] >= started and failure[0] >= 2:
                     inode = self.meta.get(ino)
                     stuck.append(f"{inode.key if inode else ino}: {failure[1]}")
+                    errnos.append(getattr(failure[1], "errno", None) or errno.EIO)
                     failing += 1
                     continue
                 if ino not in self._active and not self.packer.queued(ino) and (
@@ -539,7 +544,10 @@ class Promoter:
                     and (not packing or stuck[0].startswith("packing")):
                 more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
                 self.sync_error = stuck[0] + more
-                raise LakeError(self.sync_error)
+                error = LakeError(self.sync_error)
+                # the first one's kind: a full lake says ENOSPC (EDQUOT), not EIO
+                error.errno = errnos[0] if errnos else errno.EIO
+                raise error
             progress = self._progress
             with trio.move_on_after(1.0):
                 await progress.wait()

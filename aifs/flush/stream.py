@@ -316,7 +316,8 @@ class Streams:
                 stream.sent_hashes[number] = (offset, length,
                                               await trio.to_thread.run_sync(
                                                   xxhash.xxh3_64_intdigest, data))
-            etag = await self.store.upload_part(stream.key, stream.upload_id, number, data)
+            etag = await self.store.upload_part(stream.key, stream.upload_id, number, data,
+                                                offset)
             stream.parts.append((number, etag))
             stream.sent += length
         except LakeError as exc:

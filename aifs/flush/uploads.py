@@ -170,7 +170,8 @@ class Uploads:
             data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
             if len(data) != length:
                 raise LakeError(f"{key}: local copy shrank during upload")
-            etags.append((number, await self.store.upload_part(key, upload_id, number, data)))
+            etags.append((number, await self.store.upload_part(key, upload_id, number, data,
+                                                               offset)))
             self.sent[ino] = self.sent.get(ino, 0) + length
         finally:
             in_flight.release()

@@ -80,7 +80,10 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     async def upload_part(self, key: str, upload_id: str, part_number: int,
-                          data: bytes) -> str: ...
+                          data: bytes, offset: int | None = None) -> str:
+        """Part ``part_number``; ``offset``, where known, is where its bytes
+        begin in the object (S3 does without; the local lake writes them
+        there at once and completes without copying)."""
 
     @abc.abstractmethod
     async def complete_multipart(self, key: str, upload_id: str,

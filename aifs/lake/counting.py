@@ -89,9 +89,9 @@ class CountingStore(ObjectStore):
                                  lambda: self.inner.create_multipart(key, metadata))
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
-                          data: bytes) -> str:
+                          data: bytes, offset: int | None = None) -> str:
         etag = await self._count("UploadPart", lambda: self.inner.upload_part(
-            key, upload_id, part_number, data))
+            key, upload_id, part_number, data, offset))
         self.bytes_written += len(data)
         return etag
 

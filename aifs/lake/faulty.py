@@ -90,10 +90,10 @@ class FaultyStore(ObjectStore):
                                 lambda: self.inner.create_multipart(key, metadata))
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
-                          data: bytes) -> str:
+                          data: bytes, offset: int | None = None) -> str:
         return await self._call(f"upload part {part_number} of {key}",
                                 lambda: self.inner.upload_part(
-                                    key, upload_id, part_number, data))
+                                    key, upload_id, part_number, data, offset))
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:

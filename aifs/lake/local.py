@@ -21,7 +21,14 @@ import trio
 import xxhash
 
 from aifs import xattrs
-from aifs.errors import BucketNotFound, InvalidKey, LakeError, ObjectNotFound, PreconditionFailed
+from aifs.errors import (
+    BucketNotFound,
+    InvalidKey,
+    LakeError,
+    LakeFull,
+    ObjectNotFound,
+    PreconditionFailed,
+)
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
 T = TypeVar("T")
@@ -30,6 +37,50 @@ TMP_PREFIX = ".aifs-tmp-"
 META_XATTR = xattrs.LOCAL_META_PREFIX
 MARKER_XATTR = xattrs.LOCAL_MARKER
 PAGE = 1000
+ASSEMBLY = "object"  # in an upload's staging directory: parts sent with their offsets
+
+
+def _unlink_if_there(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _piece(staging: str, number: int) -> tuple[str, int, int]:
+    """Where part ``number`` is: ``(file, offset, length)`` in the staging directory."""
+    try:
+        with open(os.path.join(staging, f"at-{number:05d}")) as fp:
+            offset, length = map(int, fp.read().split())
+        return ASSEMBLY, offset, length
+    except FileNotFoundError:
+        pass
+    name = f"part-{number:05d}"  # (one never sent: FileNotFoundError, ObjectNotFound)
+    return name, 0, os.stat(os.path.join(staging, name)).st_size
+
+
+def _tiles(pieces: list[tuple[str, int, int]]) -> bool:
+    """The parts, in order, are the assembly file from its start without a gap."""
+    end = 0
+    for name, offset, length in pieces:
+        if name != ASSEMBLY or offset != end:
+            return False
+        end += length
+    return bool(pieces)
+
+
+def _copy_pieces(fd: int, staging: str, pieces: list[tuple[str, int, int]]) -> None:
+    for name, offset, length in pieces:
+        src = os.open(os.path.join(staging, name), os.O_RDONLY)
+        try:
+            while length > 0:
+                chunk = os.pread(src, min(length, 1 << 22), offset)
+                if not chunk:
+                    raise LakeError(f"{name} of an upload is shorter than recorded")
+                os.write(fd, chunk)
+                offset, length = offset + len(chunk), length - len(chunk)
+        finally:
+            os.close(src)
 
 
 def _etag(st: os.stat_result) -> str:
@@ -66,7 +117,10 @@ class LocalStore(ObjectStore):
             raise ObjectNotFound(f"no such object: {exc.filename}") from exc
         except OSError as exc:
             where = f": {exc.filename}" if exc.filename else ""  # (a write's error names none)
-            raise LakeError(f"local lake {self.root}: {exc.strerror}{where}") from exc
+            message = f"local lake {self.root}: {exc.strerror}{where}"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LakeFull(message, quota=exc.errno == errno.EDQUOT) from exc
+            raise LakeError(message) from exc
 
     def _path(self, key: str) -> str:
         full = self.prefix + key
@@ -206,7 +260,7 @@ class LocalStore(ObjectStore):
         return await self._run(do)
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
-                          data: bytes) -> str:
+                          data: bytes, offset: int | None = None) -> str:
         if not 1 <= part_number <= 10000:
             raise InvalidKey(f"part number {part_number} out of range")
         staging = self._staging(upload_id)
@@ -214,12 +268,38 @@ class LocalStore(ObjectStore):
         def do() -> str:
             if not os.path.isdir(staging):
                 raise ObjectNotFound(f"no such upload {upload_id}")
-            tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
-            with open(tmp, "wb") as fp:
-                fp.write(data)
-            os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
+            if offset is None:
+                tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+                with open(tmp, "wb") as fp:
+                    fp.write(data)
+                os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
+                _unlink_if_there(os.path.join(staging, f"at-{part_number:05d}"))
+            else:
+                self._write_in_place(staging, part_number, data, offset)
             return xxhash.xxh3_64_hexdigest(data)
         return await self._run(do)
+
+    @staticmethod
+    def _write_in_place(staging: str, part_number: int, data: bytes, offset: int) -> None:
+        """A part whose place in the object is known goes there at once, in
+        the upload's one assembly file; a small record says where. Completing
+        such an upload is then a rename: the object's bytes are written once
+        (parts in files of their own were read back and written again, 1 GiB
+        more of the disk's time per GiB promoted)."""
+        fd = os.open(os.path.join(staging, ASSEMBLY), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            at = offset
+            while view:
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
+        finally:
+            os.close(fd)
+        tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        with open(tmp, "w") as fp:
+            fp.write(f"{offset} {len(data)}")
+        os.rename(tmp, os.path.join(staging, f"at-{part_number:05d}"))
+        _unlink_if_there(os.path.join(staging, f"part-{part_number:05d}"))
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
@@ -231,13 +311,13 @@ class LocalStore(ObjectStore):
                 raise ObjectNotFound(f"no such upload {upload_id}")
             metadata = {n[len(META_XATTR):]: os.getxattr(staging, n).decode()
                         for n in os.listxattr(staging) if n.startswith(META_XATTR)}
-
-            def write(fd: int) -> None:
-                for number, _ in sorted(parts):
-                    with open(os.path.join(staging, f"part-{number:05d}"), "rb") as src:
-                        while chunk := src.read(1 << 22):
-                            os.write(fd, chunk)
-            st = self._write_atomic(path, write, metadata)
+            pieces = [_piece(staging, number) for number, _ in sorted(parts)]
+            if _tiles(pieces):
+                st = self._rename_assembly(staging, path, pieces[-1][1] + pieces[-1][2],
+                                           metadata)
+            else:
+                st = self._write_atomic(path, lambda fd: _copy_pieces(fd, staging, pieces),
+                                        metadata)
             shutil.rmtree(staging, ignore_errors=True)
             info = ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime, metadata)
             self._completed[upload_id] = info.etag
@@ -245,6 +325,26 @@ class LocalStore(ObjectStore):
                 self._completed.popitem(last=False)
             return info
         return await self._run(do)
+
+    def _rename_assembly(self, staging: str, path: str, size: int,
+                         metadata: dict[str, str]) -> os.stat_result:
+        """The assembly file, cut to the object's size, becomes the object."""
+        assembly = os.path.join(staging, ASSEMBLY)
+        fd = os.open(assembly, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)  # a part sent again shorter left bytes past the end
+            for name, value in metadata.items():
+                os.setxattr(fd, META_XATTR + name, value.encode())
+            os.fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.rename(assembly, path)
+        except IsADirectoryError as exc:
+            raise InvalidKey(f"{path}: a directory of that name exists") from exc
+        return st
 
     def made_by_upload(self, info: ObjectInfo, upload_id: str,
                        parts: list[tuple[int, str]]) -> bool:

@@ -209,7 +209,7 @@ class S3Store(ObjectStore):
         return resp["UploadId"]
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
-                          data: bytes) -> str:
+                          data: bytes, offset: int | None = None) -> str:
         resp = await self._call(f"upload part {part_number} of {key}",
                                 lambda: self.client.upload_part(
                                     Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,

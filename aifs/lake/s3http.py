@@ -43,6 +43,7 @@ from aifs.errors import (
     BucketNotFound,
     InvalidKey,
     LakeError,
+    LakeFull,
     LakeUnavailable,
     ObjectNotFound,
     PreconditionFailed,
@@ -305,6 +306,7 @@ _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
            "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _TRANSIENT = {"SlowDown", "503", "500", "502", "504", "InternalError", "RequestTimeout",
               "ServiceUnavailable", "RequestTimeTooSkewed", "Throttling", "ThrottlingException"}
+_FULL = {"QuotaExceeded", "XMinioStorageFull", "InsufficientStorage"}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException"}
 
 
@@ -319,6 +321,9 @@ def error_of(code: str, status: int | str, message: str, what: str, endpoint: st
         return ObjectNotFound(f"{what}: not found")
     if code in ("PreconditionFailed", "412") or status in ("412", "304"):
         return PreconditionFailed(f"{what}: object changed in the lake")
+    if code in _FULL or status == "507":
+        return LakeFull(f"{what}: the lake at {endpoint} is full ({code or status}): "
+                        f"{message}", quota=code == "QuotaExceeded")
     if code in _DENIED or status == "403":
         return AccessDenied(f"access denied by {endpoint} ({code or status}): "
                             "check the credentials")
