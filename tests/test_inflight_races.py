@@ -663,3 +663,54 @@ async def test_a_rename_over_a_file_being_uploaded_stops_that_upload(tmp_path, n
     assert store.parts <= 2, f"{store.parts} parts sent for a file replaced at the second"
     await _sync(fs)
     assert _lake_files(tmp_path) == {"ckpt": b"2" * (1 << 10)}
+
+
+async def _read_through_the_daemon(fs, name: bytes) -> bytes:
+    """Open, read whole and close ``name`` as the kernel binding does for a
+    file that is not direct (its close may queue a local copy)."""
+    inode = await fs.lookup(ROOT_INO, name)
+    fh, _ = await fs.open(inode.ino, os.O_RDONLY)
+    assert await fs.direct_backing(fh, False) is None
+    data = b""
+    while chunk := await fs.read(fh, len(data), MiB):
+        data += bytes(chunk)
+    fs.direct_released(fh, direct=False)
+    fs.release(fh)
+    return data
+
+
+async def test_a_large_copy_under_way_does_not_hold_back_small_ones(tmp_path, nursery,
+                                                                    monkeypatch):
+    """A large object read whole is copied to a local file at the promotion's
+    pace (minutes for a big one); a small file read again meanwhile gets its
+    copy at once, not after it."""
+    big, small = os.urandom(4 * MiB + 5), os.urandom(10_000)
+    fs = _started(tmp_path, nursery)
+    (tmp_path / "lake" / "big.bin").write_bytes(big)  # written by another tool
+    (tmp_path / "lake" / "small.bin").write_bytes(small)
+    admissions = fs.direct.admissions
+    copying, go = trio.Event(), trio.Event()
+    admit_large = admissions._admit_large
+
+    async def held(ino, version):
+        copying.set()
+        await go.wait()
+        await admit_large(ino, version)
+
+    monkeypatch.setattr(admissions, "_admit_large", held)
+    assert await _read_through_the_daemon(fs, b"big.bin") == big
+    with trio.fail_after(10):
+        await copying.wait()
+    for _ in range(2):  # read before: its second close queues its copy
+        assert await _read_through_the_daemon(fs, b"small.bin") == small
+    local = fs.inodes.local
+    small_ino = (await fs.lookup(ROOT_INO, b"small.bin")).ino
+    big_ino = (await fs.lookup(ROOT_INO, b"big.bin")).ino
+    with trio.fail_after(10):
+        while not local.has(small_ino):
+            await trio.sleep(0.01)
+    assert not local.has(big_ino)
+    go.set()
+    with trio.fail_after(10):
+        while not local.has(big_ino):
+            await trio.sleep(0.01)

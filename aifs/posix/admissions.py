@@ -99,7 +99,9 @@ class Admissions:
         #: copies made while the file was open: its blocks go at its last close
         self._forget_later: dict[int, ObjectVersion] = {}
         self._forget_now: list[ObjectVersion] = []
-        self._queued = trio.Event()  # set when an admission is queued
+        # set when a small copy (or a forget) / a large copy is queued
+        self._queued_small = trio.Event()
+        self._queued_large = trio.Event()
 
     def opened(self, ino: int, version: ObjectVersion) -> bool:
         """A reader the daemon serves opens ``ino`` (no local copy): whether
@@ -117,7 +119,7 @@ class Admissions:
         if handle is not None and handle.ino in self._forget_later \
                 and self.inodes.opens.get(handle.ino, 0) <= 1:  # (this one is closing)
             self._forget_now.append(self._forget_later.pop(handle.ino))
-            self._queued.set()
+            self._queued_small.set()
         if handle is None or not handle.admit:
             return
         ino, version = handle.ino, handle.version
@@ -128,22 +130,35 @@ class Admissions:
             return
         log.debug("inode %d closes: a local copy of it is queued", ino)
         queue[ino] = version
-        self._queued.set()
+        (self._queued_small if queue is self._small else self._queued_large).set()
 
     async def run(self) -> None:
-        """Make the copies :meth:`closed` queued."""
+        """Make the copies :meth:`closed` queued: small and large ones in
+        tasks of their own, since a large copy is paced like promotion and
+        may take minutes, and the small files an epoch reads again must not
+        wait for it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._run_small)
+            nursery.start_soon(self._run_large)
+
+    async def _run_small(self) -> None:
         while True:
-            if not self._small and not self._large and not self._forget_now:
-                self._queued = trio.Event()
-                await self._queued.wait()
+            if not self._small and not self._forget_now:
+                self._queued_small = trio.Event()
+                await self._queued_small.wait()
             await trio.sleep(ADMIT_WAIT)  # more closes join the batch
             while self._forget_now:
                 await self.fetcher.forget_version(self._forget_now.pop())
             if self._small:
                 await self._admit_small()
-            if self._large:
-                ino = next(iter(self._large))
-                await self._admit_large(ino, self._large.pop(ino))
+
+    async def _run_large(self) -> None:
+        while True:
+            if not self._large:
+                self._queued_large = trio.Event()
+                await self._queued_large.wait()
+            ino = next(iter(self._large))
+            await self._admit_large(ino, self._large.pop(ino))
 
     async def _admit_small(self) -> None:
         batch: list[tuple[int, ObjectVersion, bytes]] = []
