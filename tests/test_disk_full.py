@@ -105,8 +105,27 @@ def test_a_file_whose_write_failed_is_not_published(lake, mounter, small_disk, a
     assert "recovered" in status.stdout and "1 file" in status.stdout, status.stdout
 
 
-def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, aifs_cli,
-                                                          tmp_path):
+def _sync_refused(mount, lake, name: str, size: int, expected: int,
+                  aifs_cli) -> tuple[bytes, str]:
+    """Write ``name`` and sync it into a lake that refuses it: the xattr's
+    errno is ``expected``, `aifs sync` fails in one line (returned), nothing
+    shows in the lake, the file reads back here. Returns its bytes too."""
+    from aifs import xattrs
+
+    data = os.urandom(size)
+    (mount.path / name).write_bytes(data)
+    with pytest.raises(OSError) as refused:
+        os.getxattr(mount.path / name, xattrs.SYNC)
+    assert refused.value.errno == expected
+    result = aifs_cli("sync", str(mount.path), "--quiet")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert name not in lake_tree(lake)[0]
+    assert (mount.path / name).read_bytes() == data
+    return data, result.stderr
+
+
+def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, aifs_cli):
     """The lake itself has no room (here a local lake on a 16 MiB disk; a
     spent Ceph quota or a full MinIO answers the same): `aifs sync` fails
     with ENOSPC and one line that says so, not EIO; no partial object shows
@@ -114,23 +133,12 @@ def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, a
     the next sync puts it there whole."""
     from conftest import Lake
 
-    from aifs import xattrs
-
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
     lake = Lake("local", f"file://{small_disk / 'lake'}", {}, [], root=small_disk / "lake")
     (small_disk / "lake").mkdir()
     mount = mounter(lake, "--promote-delay", "3600")
-    data = os.urandom(24 * MiB)
-    (mount.path / "big.bin").write_bytes(data)
-    with pytest.raises(OSError) as full:
-        os.getxattr(mount.path / "big.bin", xattrs.SYNC)
-    assert full.value.errno == errno.ENOSPC
-    result = aifs_cli("sync", str(mount.path), "--quiet")
-    assert result.returncode != 0
-    assert "No space left on device" in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "big.bin" not in lake_tree(lake)[0]
-    assert (mount.path / "big.bin").read_bytes() == data
+    data, said = _sync_refused(mount, lake, "big.bin", 24 * MiB, errno.ENOSPC, aifs_cli)
+    assert "No space left on device" in said
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     assert aifs_cli("sync", str(mount.path), "--quiet").returncode == 0
     assert lake_tree(lake)[0]["big.bin"] == data
@@ -142,7 +150,6 @@ def test_a_spent_lake_quota_is_said_to_be_spent_not_bad_credentials(lake, mounte
     """Ceph answers a PUT past a bucket's quota with 403 QuotaExceeded: that
     is EDQUOT and a line that names the quota, not "check the credentials";
     the file stays here and goes once the quota is lifted."""
-    from aifs import xattrs
 
     def quota(*args: str) -> None:
         subprocess.run(["radosgw-admin", "-c", str(lake.server.directory / "ceph.conf"),
@@ -152,15 +159,8 @@ def test_a_spent_lake_quota_is_said_to_be_spent_not_bad_credentials(lake, mounte
     quota("set", "--max-size=1048576")
     quota("enable")
     mount = mounter(lake, "--promote-delay", "3600")
-    data = os.urandom(4 * MiB)
-    (mount.path / "model.bin").write_bytes(data)
-    with pytest.raises(OSError) as spent:
-        os.getxattr(mount.path / "model.bin", xattrs.SYNC)
-    assert spent.value.errno == errno.EDQUOT
-    result = aifs_cli("sync", str(mount.path), "--quiet")
-    assert result.returncode != 0 and "QuotaExceeded" in result.stderr, result.stderr
-    assert "credentials" not in result.stderr and "Traceback" not in result.stderr
-    assert "model.bin" not in lake_tree(lake)[0]
+    data, said = _sync_refused(mount, lake, "model.bin", 4 * MiB, errno.EDQUOT, aifs_cli)
+    assert "QuotaExceeded" in said and "credentials" not in said
     quota("disable")
     assert aifs_cli("sync", str(mount.path), "--quiet").returncode == 0
     assert lake_tree(lake)[0]["model.bin"] == data
