@@ -27,7 +27,8 @@ import sys
 import threading
 
 PAGE = mmap.PAGESIZE
-POOL_BYTES = 384 << 20  # mappings kept for reuse, at most
+POOL_BYTES = 384 << 20  # mappings kept for reuse, at most (see limit)
+POOL_HEADROOM = 128 << 20  # beyond the memory cache: bodies on their way to it
 MIN_SIZE = 1 << 20  # smaller bodies are not worth a mapping of their own
 
 _lock = threading.Lock()
@@ -65,6 +66,23 @@ def _calibrate() -> int | None:
 
 #: what _refs reads when nothing but the pool holds a mapping (None: no reuse)
 _IDLE_REFS = _calibrate()
+
+
+def limit(memory_cache: int) -> None:
+    """Keep at most what a memory cache of ``memory_cache`` bytes (which
+    holds bodies received here) and the bodies on their way need: a node
+    given a small memory cache does not keep 384 MiB of idle mappings.
+    Idle mappings past the new limit are unmapped at once."""
+    global POOL_BYTES, _pooled
+    with _lock:
+        POOL_BYTES = memory_cache + POOL_HEADROOM
+        for key, entry in list(_pool.items()):
+            if _pooled <= POOL_BYTES:
+                break
+            if _refs(entry) == _IDLE_REFS:
+                del _pool[key]
+                _pooled -= len(entry[0])
+                entry[0].close()
 
 
 def take(length: int) -> memoryview:

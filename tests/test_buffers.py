@@ -38,3 +38,23 @@ def test_only_a_whole_body_is_written_from_its_buffer(tmp_path) -> None:
     assert bytes(whole[:len(data)]) == data and not any(whole[len(data):])
     DirectWriter().write_file(tmp_path / "block", body)
     assert (tmp_path / "block").read_bytes() == data
+
+
+def test_the_pool_keeps_no_more_than_the_memory_cache_needs() -> None:
+    """A node given a small memory cache keeps few idle mappings: past the
+    limit a body gets a mapping of its own, freed with it, and idle ones
+    past a lowered limit are unmapped."""
+    try:
+        buffers.limit(512 * MiB)
+        bodies = [buffers.take(8 * MiB) for _ in range(8)]  # 64 MiB, all pooled
+        assert all(buffers.aligned(b) is not None for b in bodies)
+        del bodies
+        assert buffers._pooled >= 64 * MiB
+        buffers.limit(0)  # the headroom only
+        assert buffers._pooled <= buffers.POOL_HEADROOM
+        held = [buffers.take(8 * MiB) for _ in range(buffers.POOL_HEADROOM // (8 * MiB) + 2)]
+        assert buffers._pooled <= buffers.POOL_HEADROOM
+        assert any(buffers.aligned(b) is None for b in held)  # (not pooled: not reused)
+        del held
+    finally:
+        buffers.limit(256 * MiB)
