@@ -68,11 +68,26 @@ class LakeFull(LakeError):
     """The lake has no room for what was sent: its disk is full (a local
     lake; MinIO's ``XMinioStorageFull``) or a quota is spent (Ceph's
     ``QuotaExceeded``, which comes as a 403 and must not read as bad
-    credentials). Nothing was stored; promotion tries again later."""
+    credentials; MinIO's bucket quota). The object was not stored;
+    promotion tries again later."""
 
     def __init__(self, message: str, quota: bool = False) -> None:
         super().__init__(message)
         self.errno = errno.EDQUOT if quota else errno.ENOSPC
+
+
+class Failure(str):
+    """Why something keeps failing, as its message, and the errno a sync
+    that gives up on it answers: a full lake's (ENOSPC, EDQUOT), else EIO.
+    Kept instead of the exception, whose traceback would keep the failing
+    frames, and the part buffers in them, alive."""
+
+    errno: int
+
+    def __new__(cls, why: object) -> Failure:
+        self = super().__new__(cls, str(why))
+        self.errno = why.errno if isinstance(why, LakeFull) else errno.EIO
+        return self
 
 
 class InvalidKey(LakeError):

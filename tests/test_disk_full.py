@@ -164,3 +164,21 @@ def test_a_spent_lake_quota_is_said_to_be_spent_not_bad_credentials(lake, mounte
     quota("disable")
     assert aifs_cli("sync", str(mount.path), "--quiet").returncode == 0
     assert lake_tree(lake)[0]["model.bin"] == data
+
+
+@pytest.mark.parametrize(("code", "status", "expected"), [
+    ("QuotaExceeded", 403, errno.EDQUOT),  # Ceph RGW (above, against a real one)
+    ("XMinioAdminBucketQuotaExceeded", 400, errno.EDQUOT),  # MinIO's bucket quota
+    ("XMinioStorageFull", 507, errno.ENOSPC),
+    ("", 507, errno.ENOSPC),
+    ("AccessDenied", 403, errno.EACCES),  # bad credentials stay that
+])
+def test_what_a_server_says_when_it_is_full_is_told_apart_from_a_refusal(code, status,
+                                                                         expected):
+    from aifs.errors import LakeFull
+    from aifs.lake.s3http import error_of
+
+    error = error_of(code, status, code, "upload of a", "http://127.0.0.1:9", "b")
+    assert error.errno == expected
+    assert isinstance(error, LakeFull) == (expected != errno.EACCES)
+    assert ("credentials" in str(error)) == (expected == errno.EACCES)

@@ -152,6 +152,15 @@ async def test_multipart_parts_sent_with_their_offsets(store, tmp_path):
     assert info.size == len(whole)
     assert await store.get_range("mp/placed", 0, len(whole) + 10) == whole
     assert await store.list_multipart("mp/placed") == []
+    # part 1 sent again longer, over where part 2 already lies: each part is
+    # its own, as on S3 (the local lake keeps the longer one in a file of its own)
+    longer = part + b"+7bytes"
+    grown = await store.create_multipart("mp/grown")
+    etags = dict([(1, await store.upload_part("mp/grown", grown, 1, part, 0)),
+                  (2, await store.upload_part("mp/grown", grown, 2, part[::-1], len(part)))])
+    etags[1] = await store.upload_part("mp/grown", grown, 1, longer, 0)
+    await store.complete_multipart("mp/grown", grown, sorted(etags.items()))
+    assert await store.get_range("mp/grown", 0, 3 * len(part)) == longer + part[::-1]
     mixed = await store.create_multipart("mp/mixed")
     parts = [(1, await store.upload_part("mp/mixed", mixed, 1, part, 0)),
              (2, await store.upload_part("mp/mixed", mixed, 2, b"unplaced"))]
@@ -217,3 +226,36 @@ async def test_bad_credentials(s3_lake, monkeypatch):
         await store.head("anything")
     with pytest.raises(AccessDenied):
         await store.get_range("anything", 0, 1)
+
+
+async def test_local_lake_completes_an_upload_under_another_mount_or_a_group_directory(
+        tmp_path):
+    """A local lake whose directory holds another mount (here a bind mount)
+    or a set-group-ID directory: an object completed from parts lands there
+    whole, with the group a file made there gets, as a PUT's does."""
+    import subprocess
+
+    from aifs.lake.local import LocalStore
+
+    root, other = tmp_path / "lake", tmp_path / "other"
+    (root / "mounted").mkdir(parents=True)
+    (root / "shared").mkdir()
+    other.mkdir()
+    os.chown(root / "shared", -1, 4321)
+    os.chmod(root / "shared", 0o2775)
+    subprocess.run(["mount", "--bind", str(other), str(root / "mounted")], check=True)
+    try:
+        store = LocalStore(str(root))
+        part = os.urandom(5 * 1024 * 1024)
+        for key in ("mounted/big", "shared/big"):
+            upload = await store.create_multipart(key)
+            etags = [(1, await store.upload_part(key, upload, 1, part, 0)),
+                     (2, await store.upload_part(key, upload, 2, b"end", len(part)))]
+            await store.complete_multipart(key, upload, etags)
+            assert (root / key).read_bytes() == part + b"end"
+        await store.put("shared/small", b"x")
+        assert (root / "shared/big").stat().st_gid == (root / "shared/small").stat().st_gid \
+            == 4321
+        assert await store.list_uploads("") == []
+    finally:
+        subprocess.run(["umount", str(root / "mounted")], check=True)

@@ -30,7 +30,7 @@ import trio
 
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.errors import LakeError, lake_error_in
+from aifs.errors import Failure, LakeError, lake_error_in
 from aifs.flush.deletes import Deletes
 from aifs.flush.host import PromotionHost
 from aifs.flush.pacing import Pacer
@@ -74,8 +74,8 @@ class Promoter:
         self._forced: set[int] = set()
         self._active: set[int] = set()
         self._deciding: set[int] = set()  # active, not yet handed to the packer or uploading
-        # ino -> (count, why, when); why: the error (its errno is sync's answer) or a reason
-        self._failures: dict[int, tuple[int, str | Exception, float]] = {}
+        # ino -> (count, why, when); why: a Failure (its errno is sync's answer) or a reason
+        self._failures: dict[int, tuple[int, str, float]] = {}
         self._wake = trio.Event()
         self._sleeps_until = -math.inf  # when the loop wakes by itself
         self._progress = trio.Event()
@@ -185,7 +185,7 @@ class Promoter:
             self._failures.pop(ino, None)
         except LakeError as exc:
             count = self._failures.get(ino, (0, "", 0.0))[0] + 1
-            self._failures[ino] = (count, exc, trio.current_time())
+            self._failures[ino] = (count, Failure(exc), trio.current_time())
             self.stats.failures += 1
             pause = PROMOTION_BACKOFF.delay(count)
             log.warning("promotion of inode %d failed (%s); next try in %.1fs", ino, exc, pause)
@@ -194,7 +194,7 @@ class Promoter:
             current = self.meta.get(ino)
             if current is not None and not current.orphan:
                 log.error("promotion of inode %d failed: %s", ino, exc)
-                self._failures[ino] = (1, exc, trio.current_time())
+                self._failures[ino] = (1, Failure(exc), trio.current_time())
                 self.schedule(ino, 30.0)
             # else: deleted while it uploaded; its local copy went with it
         except Exception as exc:  # a bug must not end the promotion loop
@@ -517,7 +517,7 @@ class Promoter:
                 count, why, when = self.packer.failure
                 if count >= 2 and when >= started:
                     stuck.append(f"packing small files: {why}")
-                    errnos.append(getattr(why, "errno", None) or errno.EIO)
+                    errnos.append(getattr(why, "errno", errno.EIO))
                 self.packer.hurry()
             failing = 0
             for ino in waiting:
@@ -525,7 +525,7 @@ class Promoter:
                 if failure and failure[2] >= started and failure[0] >= 2:
                     inode = self.meta.get(ino)
                     stuck.append(f"{inode.key if inode else ino}: {failure[1]}")
-                    errnos.append(getattr(failure[1], "errno", None) or errno.EIO)
+                    errnos.append(getattr(failure[1], "errno", errno.EIO))
                     failing += 1
                     continue
                 if ino not in self._active and not self.packer.queued(ino) and (
@@ -545,8 +545,8 @@ class Promoter:
                 more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
                 self.sync_error = stuck[0] + more
                 error = LakeError(self.sync_error)
-                # the first one's kind: a full lake says ENOSPC (EDQUOT), not EIO
-                error.errno = errnos[0] if errnos else errno.EIO
+                # a full lake says so (ENOSPC, EDQUOT); anything else is EIO
+                error.errno = next((e for e in errnos if e != errno.EIO), errno.EIO)
                 raise error
             progress = self._progress
             with trio.move_on_after(1.0):

@@ -8,13 +8,16 @@ a reader never sees a partial object and a replaced object gets a new ETag
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import stat
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import trio
@@ -47,12 +50,26 @@ def _unlink_if_there(path: str) -> None:
         pass
 
 
+def _place(path: str) -> tuple[int, int]:
+    """A placed part's record: (offset, length) in the assembly file."""
+    with open(path) as fp:
+        text = fp.read()
+    try:
+        offset, length = map(int, text.split())
+    except ValueError:
+        raise LakeError(f"{path}: not a part's place: {text!r}") from None
+    return offset, length
+
+
+def _read_places(staging: str) -> dict[int, tuple[int, int]]:
+    return {int(name[3:]): _place(os.path.join(staging, name))
+            for name in os.listdir(staging) if name.startswith("at-")}
+
+
 def _piece(staging: str, number: int) -> tuple[str, int, int]:
     """Where part ``number`` is: ``(file, offset, length)`` in the staging directory."""
     try:
-        with open(os.path.join(staging, f"at-{number:05d}")) as fp:
-            offset, length = map(int, fp.read().split())
-        return ASSEMBLY, offset, length
+        return ASSEMBLY, *_place(os.path.join(staging, f"at-{number:05d}"))
     except FileNotFoundError:
         pass
     name = f"part-{number:05d}"  # (one never sent: FileNotFoundError, ObjectNotFound)
@@ -106,6 +123,10 @@ class LocalStore(ObjectStore):
         # this process: a local call has no reply to lose, but one cancelled
         # or failed after it ran is asked about (made_by_upload). Bounded.
         self._completed: OrderedDict[str, str] = OrderedDict()
+        # upload id -> its parts' places in the assembly file, and its lock
+        self._places: dict[str, dict[int, tuple[int, int]]] = {}
+        self._upload_locks: dict[str, threading.Lock] = {}
+        self._uploads_lock = threading.Lock()
 
     # -- helpers --------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
@@ -265,27 +286,57 @@ class LocalStore(ObjectStore):
             raise InvalidKey(f"part number {part_number} out of range")
         staging = self._staging(upload_id)
 
+        if offset is not None and offset < 0:
+            raise InvalidKey(f"part {part_number} at a negative offset")
+
         def do() -> str:
             if not os.path.isdir(staging):
                 raise ObjectNotFound(f"no such upload {upload_id}")
-            if offset is None:
-                tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
-                with open(tmp, "wb") as fp:
-                    fp.write(data)
-                os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
-                _unlink_if_there(os.path.join(staging, f"at-{part_number:05d}"))
-            else:
-                self._write_in_place(staging, part_number, data, offset)
+            with self._placing(upload_id) as places:
+                if offset is None or not self._write_in_place(staging, places, part_number,
+                                                              data, offset):
+                    tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+                    with open(tmp, "wb") as fp:
+                        fp.write(data)
+                    os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
+                    _unlink_if_there(os.path.join(staging, f"at-{part_number:05d}"))
+                    places.pop(part_number, None)
             return xxhash.xxh3_64_hexdigest(data)
         return await self._run(do)
 
+    @contextlib.contextmanager
+    def _placing(self, upload_id: str) -> Iterator[dict[int, tuple[int, int]]]:
+        """Where each part of ``upload_id`` sent with its offset lies in the
+        assembly file (read from its records the first time), held so that
+        no two parts of the upload are placed at once."""
+        with self._uploads_lock:
+            lock = self._upload_locks.setdefault(upload_id, threading.Lock())
+        with lock:
+            places = self._places.get(upload_id)
+            if places is None:
+                places = self._places[upload_id] = _read_places(self._staging(upload_id))
+            yield places
+
+    def _forget_upload(self, upload_id: str) -> None:
+        with self._uploads_lock:
+            self._upload_locks.pop(upload_id, None)
+            self._places.pop(upload_id, None)
+
     @staticmethod
-    def _write_in_place(staging: str, part_number: int, data: bytes, offset: int) -> None:
+    def _write_in_place(staging: str, places: dict[int, tuple[int, int]], part_number: int,
+                        data: bytes, offset: int) -> bool:
         """A part whose place in the object is known goes there at once, in
         the upload's one assembly file; a small record says where. Completing
         such an upload is then a rename: the object's bytes are written once
         (parts in files of their own were read back and written again, 1 GiB
-        more of the disk's time per GiB promoted)."""
+        more of the disk's time per GiB promoted). False, and nothing written,
+        where the part would cover bytes of another part (one sent again
+        longer or elsewhere): it then goes to a file of its own, as on S3
+        every part is independent of the others."""
+        end = offset + len(data)
+        if any(number != part_number and at < end and offset < at + length
+               for number, (at, length) in places.items()):
+            return False
         fd = os.open(os.path.join(staging, ASSEMBLY), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             view = memoryview(data)
@@ -300,6 +351,8 @@ class LocalStore(ObjectStore):
             fp.write(f"{offset} {len(data)}")
         os.rename(tmp, os.path.join(staging, f"at-{part_number:05d}"))
         _unlink_if_there(os.path.join(staging, f"part-{part_number:05d}"))
+        places[part_number] = (offset, len(data))
+        return True
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
@@ -312,13 +365,15 @@ class LocalStore(ObjectStore):
             metadata = {n[len(META_XATTR):]: os.getxattr(staging, n).decode()
                         for n in os.listxattr(staging) if n.startswith(META_XATTR)}
             pieces = [_piece(staging, number) for number, _ in sorted(parts)]
+            st = None
             if _tiles(pieces):
                 st = self._rename_assembly(staging, path, pieces[-1][1] + pieces[-1][2],
                                            metadata)
-            else:
+            if st is None:
                 st = self._write_atomic(path, lambda fd: _copy_pieces(fd, staging, pieces),
                                         metadata)
             shutil.rmtree(staging, ignore_errors=True)
+            self._forget_upload(upload_id)
             info = ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime, metadata)
             self._completed[upload_id] = info.etag
             while len(self._completed) > 1024:
@@ -327,23 +382,33 @@ class LocalStore(ObjectStore):
         return await self._run(do)
 
     def _rename_assembly(self, staging: str, path: str, size: int,
-                         metadata: dict[str, str]) -> os.stat_result:
-        """The assembly file, cut to the object's size, becomes the object."""
+                         metadata: dict[str, str]) -> os.stat_result | None:
+        """The assembly file, cut to the object's size, becomes the object;
+        None where it cannot be renamed there (the key's directory is another
+        mount: EXDEV), and the caller copies it."""
         assembly = os.path.join(staging, ASSEMBLY)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        where = os.stat(directory)
         fd = os.open(assembly, os.O_WRONLY)
         try:
             os.ftruncate(fd, size)  # a part sent again shorter left bytes past the end
+            if where.st_mode & stat.S_ISGID:  # the group a file made there would get
+                os.fchown(fd, -1, where.st_gid)
             for name, value in metadata.items():
                 os.setxattr(fd, META_XATTR + name, value.encode())
             os.fsync(fd)
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             os.rename(assembly, path)
         except IsADirectoryError as exc:
             raise InvalidKey(f"{path}: a directory of that name exists") from exc
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            return None
         return st
 
     def made_by_upload(self, info: ObjectInfo, upload_id: str,
@@ -353,6 +418,7 @@ class LocalStore(ObjectStore):
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         staging = self._staging(upload_id)
         await self._run(shutil.rmtree, staging, True)
+        self._forget_upload(upload_id)
 
     async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         staging_root = os.path.join(self.root, STAGING)

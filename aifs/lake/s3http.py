@@ -306,7 +306,8 @@ _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
            "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _TRANSIENT = {"SlowDown", "503", "500", "502", "504", "InternalError", "RequestTimeout",
               "ServiceUnavailable", "RequestTimeTooSkewed", "Throttling", "ThrottlingException"}
-_FULL = {"QuotaExceeded", "XMinioStorageFull", "InsufficientStorage"}
+_FULL = {"QuotaExceeded", "XMinioAdminBucketQuotaExceeded", "XMinioStorageFull",
+         "InsufficientStorage"}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException"}
 
 
@@ -322,8 +323,11 @@ def error_of(code: str, status: int | str, message: str, what: str, endpoint: st
     if code in ("PreconditionFailed", "412") or status in ("412", "304"):
         return PreconditionFailed(f"{what}: object changed in the lake")
     if code in _FULL or status == "507":
-        return LakeFull(f"{what}: the lake at {endpoint} is full ({code or status}): "
-                        f"{message}", quota=code == "QuotaExceeded")
+        quota = "Quota" in code
+        said = f": {message}" if message and message != code else ""
+        state = "a quota of it is spent" if quota else "it has no room"
+        return LakeFull(f"{what}: the lake at {endpoint} refused it, {state} "
+                        f"({code or status}){said}", quota=quota)
     if code in _DENIED or status == "403":
         return AccessDenied(f"access denied by {endpoint} ({code or status}): "
                             "check the credentials")

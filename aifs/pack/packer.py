@@ -26,7 +26,7 @@ import trio
 
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
-from aifs.errors import lake_error_in
+from aifs.errors import Failure, lake_error_in
 from aifs.lake.base import ObjectStore
 from aifs.lake.retry import PROMOTION_BACKOFF
 from aifs.meta.objattrs import st_mode
@@ -92,7 +92,7 @@ class Packer:
         self._counter = 0
         self._wake = trio.Event()
         self._uploads = trio.Semaphore(2)
-        self.failure: tuple[int, str | Exception, float] = (0, "", 0.0)  # count, why, when
+        self.failure: tuple[int, str, float] = (0, "", 0.0)  # count, why (a Failure), when
 
     @property
     def threshold(self) -> int:
@@ -230,7 +230,7 @@ class Packer:
             if error is None and not isinstance(exc, OSError):
                 log.exception("packing failed")
             count = self.failure[0] + 1
-            self.failure = (count, error or exc, trio.current_time())
+            self.failure = (count, Failure(error or exc), trio.current_time())
             log.warning("packing %d files failed (%s); they are tried again", len(batch),
                         error or exc)
             await trio.sleep(PROMOTION_BACKOFF.delay(count))
