@@ -714,3 +714,41 @@ async def test_a_large_copy_under_way_does_not_hold_back_small_ones(tmp_path, nu
     with trio.fail_after(10):
         while not local.has(big_ino):
             await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("what", ["directory", "file"])
+async def test_a_rename_onto_a_name_whose_old_object_is_still_in_the_lake(tmp_path, nursery,
+                                                                          monkeypatch, what):
+    """In a local lake a path is a file or a directory: a rename onto a name
+    whose old object is not deleted yet (the delete round had not run: here
+    held) must not fail (it did, with EIO, in a CI run of fsx): the old
+    object in its way goes first, and every file is in the lake under its
+    new name."""
+    fs = _started(tmp_path, nursery, pack_threshold=0)
+    old, inner = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    if what == "directory":  # a file "x" leaves, a directory takes its name
+        await _write(fs, b"x", old)
+        d = await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+        fh, _ = await fs.create(d.ino, b"a", 0o644, os.O_WRONLY, 0, 0)
+    else:  # a directory "x" leaves, a file takes its name
+        x = await fs.mkdir(ROOT_INO, b"x", 0o755, 0, 0)
+        fh, _ = await fs.create(x.ino, b"a", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, inner)
+    fs.release(fh)
+    if what == "file":
+        await _write(fs, b"f", old)
+    await _sync(fs)
+    deletes = fs.promoter.deletes
+    monkeypatch.setattr(deletes, "changed", lambda delay=0.0: None)  # no round runs
+    with trio.fail_after(30):
+        if what == "directory":
+            await fs.rename(ROOT_INO, b"x", ROOT_INO, b"y", 0)
+            await fs.rename(ROOT_INO, b"d", ROOT_INO, b"x", 0)
+        else:
+            await fs.rename(ROOT_INO, b"x", ROOT_INO, b"y", 0)
+            await fs.rename(ROOT_INO, b"f", ROOT_INO, b"x", 0)
+    monkeypatch.undo()
+    deletes.changed()
+    await _sync(fs)
+    expected = {"y": old, "x/a": inner} if what == "directory" else {"y/a": inner, "x": old}
+    assert _lake_files(tmp_path) == expected

@@ -84,35 +84,65 @@ class Deletes:
         batch: list[str] = []
         deferred = False
         for key in sorted(tombs, key=lambda k: (-k.count("/"), k)):
-            owner = self.meta.owner_of(key)
-            owner_inode = self.meta.get(owner) if owner is not None else None
-            if owner is not None and not (owner_inode is not None and owner_inode.packed
-                                          and not owner_inode.pending & DATA):
-                self.meta.drop_tombstone(key)  # a live inode's upload replaces it
-                continue
-            if tombs[key] and self.host.reads_lake(tombs[key]):
-                deferred = True  # still read through an open handle
-                continue
-            if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
-                deferred = True  # the marker goes last: the prefix stays hidden
-                continue
-            if not self.host.may_delete(key):
-                deferred = True  # an "unfinished" marker outlives what it guards
-                continue
-            batch.append(key)
-            if len(batch) >= BATCH:
-                break
+            verdict = self._verdict(key, tombs)
+            if verdict == "delete":
+                batch.append(key)
+                if len(batch) >= BATCH:
+                    break
+            elif verdict == "wait":
+                deferred = True
         if batch:
-            marks = self.meta.tombstone_marks(batch)
-            self.busy_keys.update(batch)
-            try:
-                await self.store.delete_many(batch)
-            finally:
-                self.busy_keys.difference_update(batch)
-            self.stats.deletes += len(batch)
-            self.meta.drop_tombstones(marks)  # not those tombstoned again meanwhile
-            self._progressed()
+            await self._delete(batch)
             return True
         if deferred:
             self.changed(DEFERRED_AFTER)
         return False
+
+    def _verdict(self, key: str, tombs: dict[str, int]) -> str:
+        """What to do with ``key``'s tombstone now: "delete", "wait" or
+        "dropped" (a live inode's upload replaces the object)."""
+        owner = self.meta.owner_of(key)
+        owner_inode = self.meta.get(owner) if owner is not None else None
+        if owner is not None and not (owner_inode is not None and owner_inode.packed
+                                      and not owner_inode.pending & DATA):
+            self.meta.drop_tombstone(key)
+            return "dropped"
+        if tombs[key] and self.host.reads_lake(tombs[key]):
+            return "wait"  # still read through an open handle
+        if key.endswith("/") and any(k != key and k.startswith(key) for k in tombs):
+            return "wait"  # the marker goes last: the prefix stays hidden
+        if not self.host.may_delete(key):
+            return "wait"  # an "unfinished" marker outlives what it guards
+        return "delete"
+
+    async def _delete(self, batch: list[str]) -> None:
+        marks = self.meta.tombstone_marks(batch)
+        self.busy_keys.update(batch)
+        try:
+            await self.store.delete_many(batch)
+        finally:
+            self.busy_keys.difference_update(batch)
+        self.stats.deletes += len(batch)
+        self.meta.drop_tombstones(marks)  # not those tombstoned again meanwhile
+        self._progressed()
+
+    async def clear_way(self, key: str) -> None:
+        """Before something is copied to ``key`` in a lake whose keys are
+        paths (``ObjectStore.keys_nest``: an object ``a`` and one under
+        ``a/`` exclude each other): delete at once the tombstoned objects in
+        its way, at its ancestors (``a`` for ``a/b``), of its name (a file
+        ``a`` for a directory ``a/``) or, for a file, below it, where they
+        may go now. Else a rename onto a name a file had
+        just left failed until the next delete round ran."""
+        parts = key.rstrip("/").split("/")
+        while True:  # (a directory's marker may go once what was under it went)
+            way = ["/".join(parts[:n]) for n in range(1, len(parts))]
+            tombs = self.meta.tombstones()
+            if key.endswith("/"):
+                way.append(key[:-1])  # a file of the directory's name
+            else:
+                way += [k for k in tombs if k.startswith(key + "/")]
+            batch = [k for k in way if k in tombs and self._verdict(k, tombs) == "delete"]
+            if not batch:
+                return
+            await self._delete(batch)

@@ -45,6 +45,9 @@ class ObjectStore(abc.ABC):
     description: str = ""
     #: the longest key (UTF-8 bytes, relative to the store's prefix) it can hold
     max_key_bytes: int = 1024
+    #: an object ``a`` and one under ``a/`` exclude each other (a local
+    #: directory: ``a`` is a file or a directory); S3 holds both
+    keys_nest = False
 
     async def check(self) -> None:
         """Fail with a clear LakeError if the lake cannot be used."""

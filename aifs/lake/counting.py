@@ -31,6 +31,7 @@ class CountingStore(ObjectStore):
         self.inner = inner
         self.description = inner.description
         self.max_key_bytes = inner.max_key_bytes
+        self.keys_nest = inner.keys_nest
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # time spent waiting, per operation

@@ -48,6 +48,7 @@ class FaultyStore(ObjectStore):
         self.enabled = True
         self.description = f"{inner.description} (faults: {rate:.0%} {', '.join(kinds)})"
         self.max_key_bytes = inner.max_key_bytes
+        self.keys_nest = inner.keys_nest
         #: faults injected, by kind
         self.faults: Counter[str] = Counter()
 

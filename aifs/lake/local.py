@@ -117,6 +117,7 @@ class LocalStore(ObjectStore):
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # a path of the lake directory holds at most PATH_MAX - 1 bytes
         self.max_key_bytes = 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
+        self.keys_nest = True
         self.description = f"file://{self.root}" + (f" (prefix {self.prefix})" if prefix else "")
         self._limiter = trio.CapacityLimiter(max_threads)
         # upload id -> ETag of the object it made, for uploads completed by

@@ -80,6 +80,7 @@ class RetryingStore(ObjectStore):
         self.policy = policy or RetryPolicy()
         self.description = inner.description
         self.max_key_bytes = inner.max_key_bytes
+        self.keys_nest = inner.keys_nest
 
     async def check(self) -> None:
         await self.policy.call("check the lake", self.inner.check)
