@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from aifs import buffers
 from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
@@ -261,6 +262,7 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
     # a short GIL switch interval keeps request latency low under that load.
     sys.setswitchinterval(0.0005)
     keep_freed_memory()
+    buffers.limit(config.memory_cache)  # receive buffers: what the memory cache holds
     enable_stack_dumps()
     try:
         cache_dir = config.resolved_cache_dir()

@@ -135,14 +135,13 @@ class Deletes:
         may go now. Else a rename onto a name a file had
         just left failed until the next delete round ran."""
         parts = key.rstrip("/").split("/")
+        # (point lookups and one range: a rename must not read every tombstone)
+        way = ["/".join(parts[:n]) for n in range(1, len(parts) + key.endswith("/"))]
         while True:  # (a directory's marker may go once what was under it went)
-            way = ["/".join(parts[:n]) for n in range(1, len(parts))]
-            tombs = self.meta.tombstones()
-            if key.endswith("/"):
-                way.append(key[:-1])  # a file of the directory's name
-            else:
-                way += [k for k in tombs if k.startswith(key + "/")]
-            batch = [k for k in way if k in tombs and self._verdict(k, tombs) == "delete"]
+            tombs = self.meta.tombstones_of(way)
+            if not key.endswith("/"):
+                tombs |= self.meta.tombstones_under(key + "/")
+            batch = [k for k in tombs if self._verdict(k, tombs) == "delete"]
             if not batch:
                 return
             await self._delete(batch)

@@ -43,35 +43,18 @@ PAGE = 1000
 ASSEMBLY = "object"  # in an upload's staging directory: parts sent with their offsets
 
 
-def _unlink_if_there(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _write_all(fd: int, data: bytes | memoryview, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, at)
+        view, at = view[done:], at + done
 
 
-def _place(path: str) -> tuple[int, int]:
-    """A placed part's record: (offset, length) in the assembly file."""
-    with open(path) as fp:
-        text = fp.read()
-    try:
-        offset, length = map(int, text.split())
-    except ValueError:
-        raise LakeError(f"{path}: not a part's place: {text!r}") from None
-    return offset, length
-
-
-def _read_places(staging: str) -> dict[int, tuple[int, int]]:
-    return {int(name[3:]): _place(os.path.join(staging, name))
-            for name in os.listdir(staging) if name.startswith("at-")}
-
-
-def _piece(staging: str, number: int) -> tuple[str, int, int]:
+def _piece(staging: str, places: dict[int, tuple[int, int]],
+           number: int) -> tuple[str, int, int]:
     """Where part ``number`` is: ``(file, offset, length)`` in the staging directory."""
-    try:
-        return ASSEMBLY, *_place(os.path.join(staging, f"at-{number:05d}"))
-    except FileNotFoundError:
-        pass
+    if number in places:
+        return ASSEMBLY, *places[number]
     name = f"part-{number:05d}"  # (one never sent: FileNotFoundError, ObjectNotFound)
     return name, 0, os.stat(os.path.join(staging, name)).st_size
 
@@ -87,6 +70,7 @@ def _tiles(pieces: list[tuple[str, int, int]]) -> bool:
 
 
 def _copy_pieces(fd: int, staging: str, pieces: list[tuple[str, int, int]]) -> None:
+    at = 0
     for name, offset, length in pieces:
         src = os.open(os.path.join(staging, name), os.O_RDONLY)
         try:
@@ -94,8 +78,8 @@ def _copy_pieces(fd: int, staging: str, pieces: list[tuple[str, int, int]]) -> N
                 chunk = os.pread(src, min(length, 1 << 22), offset)
                 if not chunk:
                     raise LakeError(f"{name} of an upload is shorter than recorded")
-                os.write(fd, chunk)
-                offset, length = offset + len(chunk), length - len(chunk)
+                _write_all(fd, chunk, at)
+                offset, length, at = offset + len(chunk), length - len(chunk), at + len(chunk)
         finally:
             os.close(src)
 
@@ -174,19 +158,32 @@ class LocalStore(ObjectStore):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             writer(fd)
-            for name, value in (metadata or {}).items():
-                os.setxattr(fd, META_XATTR + name, value.encode())
-            os.fsync(fd)
-            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
             raise
-        os.close(fd)
+        try:
+            return self._publish(tmp, fd, path, metadata)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    @staticmethod
+    def _publish(tmp: str, fd: int, path: str,
+                 metadata: dict[str, str] | None) -> os.stat_result:
+        """The written file ``tmp`` (open as ``fd``, closed here) becomes the
+        object at ``path``: its metadata, made durable, renamed into place."""
+        try:
+            for name, value in (metadata or {}).items():
+                os.setxattr(fd, META_XATTR + name, value.encode())
+            os.fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         try:
             os.rename(tmp, path)
         except IsADirectoryError as exc:
-            os.unlink(tmp)
             raise InvalidKey(f"{path}: a directory of that name exists") from exc
         return st
 
@@ -248,11 +245,7 @@ class LocalStore(ObjectStore):
                     os.setxattr(path, META_XATTR + name, value.encode())
                 return self._info(key, path, os.stat(path), False)
 
-            def write(fd: int) -> None:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            st = self._write_atomic(path, write, metadata)
+            st = self._write_atomic(path, lambda fd: _write_all(fd, data, 0), metadata)
             return ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime,
                               dict(metadata or {}))
         return await self._run(do)
@@ -300,7 +293,6 @@ class LocalStore(ObjectStore):
                     with open(tmp, "wb") as fp:
                         fp.write(data)
                     os.rename(tmp, os.path.join(staging, f"part-{part_number:05d}"))
-                    _unlink_if_there(os.path.join(staging, f"at-{part_number:05d}"))
                     places.pop(part_number, None)
             return xxhash.xxh3_64_hexdigest(data)
         return await self._run(do)
@@ -308,14 +300,14 @@ class LocalStore(ObjectStore):
     @contextlib.contextmanager
     def _placing(self, upload_id: str) -> Iterator[dict[int, tuple[int, int]]]:
         """Where each part of ``upload_id`` sent with its offset lies in the
-        assembly file (read from its records the first time), held so that
-        no two parts of the upload are placed at once."""
+        assembly file, held so that no two parts of the upload are placed at
+        once. Kept in memory only: an upload is completed by the process
+        that made it (a mount aborts those a crash left, by their ids); a
+        part another process placed is one never sent (ObjectNotFound)."""
         with self._uploads_lock:
             lock = self._upload_locks.setdefault(upload_id, threading.Lock())
+            places = self._places.setdefault(upload_id, {})
         with lock:
-            places = self._places.get(upload_id)
-            if places is None:
-                places = self._places[upload_id] = _read_places(self._staging(upload_id))
             yield places
 
     def _forget_upload(self, upload_id: str) -> None:
@@ -327,7 +319,7 @@ class LocalStore(ObjectStore):
     def _write_in_place(staging: str, places: dict[int, tuple[int, int]], part_number: int,
                         data: bytes, offset: int) -> bool:
         """A part whose place in the object is known goes there at once, in
-        the upload's one assembly file; a small record says where. Completing
+        the upload's one assembly file (``places`` says where). Completing
         such an upload is then a rename: the object's bytes are written once
         (parts in files of their own were read back and written again, 1 GiB
         more of the disk's time per GiB promoted). False, and nothing written,
@@ -340,18 +332,11 @@ class LocalStore(ObjectStore):
             return False
         fd = os.open(os.path.join(staging, ASSEMBLY), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            view = memoryview(data)
-            at = offset
-            while view:
-                done = os.pwrite(fd, view, at)
-                view, at = view[done:], at + done
+            _write_all(fd, data, offset)
         finally:
             os.close(fd)
-        tmp = os.path.join(staging, f"{TMP_PREFIX}{uuid.uuid4().hex}")
-        with open(tmp, "w") as fp:
-            fp.write(f"{offset} {len(data)}")
-        os.rename(tmp, os.path.join(staging, f"at-{part_number:05d}"))
-        _unlink_if_there(os.path.join(staging, f"part-{part_number:05d}"))
+        with contextlib.suppress(FileNotFoundError):  # (sent before without its offset)
+            os.unlink(os.path.join(staging, f"part-{part_number:05d}"))
         places[part_number] = (offset, len(data))
         return True
 
@@ -365,7 +350,8 @@ class LocalStore(ObjectStore):
                 raise ObjectNotFound(f"no such upload {upload_id}")
             metadata = {n[len(META_XATTR):]: os.getxattr(staging, n).decode()
                         for n in os.listxattr(staging) if n.startswith(META_XATTR)}
-            pieces = [_piece(staging, number) for number, _ in sorted(parts)]
+            with self._placing(upload_id) as places:
+                pieces = [_piece(staging, places, number) for number, _ in sorted(parts)]
             st = None
             if _tiles(pieces):
                 st = self._rename_assembly(staging, path, pieces[-1][1] + pieces[-1][2],
@@ -396,21 +382,15 @@ class LocalStore(ObjectStore):
             os.ftruncate(fd, size)  # a part sent again shorter left bytes past the end
             if where.st_mode & stat.S_ISGID:  # the group a file made there would get
                 os.fchown(fd, -1, where.st_gid)
-            for name, value in metadata.items():
-                os.setxattr(fd, META_XATTR + name, value.encode())
-            os.fsync(fd)
-            st = os.fstat(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         try:
-            os.rename(assembly, path)
-        except IsADirectoryError as exc:
-            raise InvalidKey(f"{path}: a directory of that name exists") from exc
+            return self._publish(assembly, fd, path, metadata)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             return None
-        return st
 
     def made_by_upload(self, info: ObjectInfo, upload_id: str,
                        parts: list[tuple[int, str]]) -> bool:

@@ -106,6 +106,13 @@ class PromotionMixin(BatchesMixin):
         with self.env.begin() as txn:
             return txn.get(key_bytes(key), db=self.tombs) is not None
 
+    def tombstones_of(self, keys: list[str]) -> dict[str, int]:
+        """Those of ``keys`` that are tombstoned, with their inodes."""
+        with self.env.begin() as txn:
+            values = {key: txn.get(key_bytes(key), db=self.tombs) for key in keys}
+        return {key: U64.unpack(value[:8])[0] for key, value in values.items()
+                if value is not None}
+
     def tombstones_under(self, prefix: str) -> dict[str, int]:
         raw = scan_prefix(prefix)
         out = {}

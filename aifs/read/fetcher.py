@@ -23,7 +23,6 @@ from pathlib import Path
 
 import trio
 
-from aifs import buffers
 from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.cache.segments import SMALL, Location, checksum
 from aifs.errors import CorruptData, LakeError, PreconditionFailed
@@ -142,7 +141,6 @@ class BlockFetcher:
         self.cache = cache
         self.block_size = block_size
         self.memory_bytes = memory_bytes
-        buffers.limit(memory_bytes)  # the pool of receive buffers follows the memory cache
         self._memory: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._memory_used = 0
         self._flights: dict[tuple[str, int], _Flight] = {}
