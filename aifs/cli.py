@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--passthrough", choices=["true", "false"])
     mount.add_argument("--fuse-poll-us", type=int, help="microseconds; 0: never poll")
     mount.add_argument("--fuse-transport", choices=["dev", "uring"])
+    mount.add_argument("--fuse-native", choices=["true", "false"])
     mount.add_argument("--list-ahead", type=int, help="subdirectories; 0: none")
     mount.add_argument("--policy", dest="policy_rules", action="append", default=None,
                        metavar="PATTERN=POLICY", help="a policy rule (repeatable)")
@@ -168,7 +169,7 @@ def _mount(args: argparse.Namespace) -> int:
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "fold_shard_records", "stale_upload_age",
         "object_attrs", "dir_prefetch", "list_ahead", "fuse_binding", "passthrough",
-        "fuse_poll_us", "fuse_transport",
+        "fuse_poll_us", "fuse_transport", "fuse_native",
         "policy_rules", "staging_hold",
         "checkpoint_keep",
         "stream_checkpoints", "stream_large_files", "stream_parts_in_flight",

@@ -140,6 +140,10 @@ class Config:
                                   "(FUSE over io_uring: one ring per CPU, each request "
                                   "answered on its caller's CPU; needs Linux 6.14+ with "
                                   "the fuse module's enable_uring on, else 'dev').")
+    fuse_native: bool = _option(True, "With the kernel binding: read requests in C, which "
+                                "answers those whose answer is fixed (IOCTL, GETXATTR of "
+                                "names outside user.*) without Python; false, or a build "
+                                "without a C compiler: read in Python.", "bool")
     dir_prefetch: bool = _option(True, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch, in "
                                  "order or shuffled), many GETs at once; what is fetched "

@@ -130,9 +130,9 @@ class KernelBinding:
                                max_background=max(12, self.config.max_connections * 2),
                                want_passthrough=self.config.passthrough,
                                poll=self.config.fuse_poll_us / 1e6,
-                               transport=self.config.fuse_transport)
-        counts = self.session.counts
-        self.fs.count_requests(lambda: sum(counts.values()))  # promotion yields to them
+                               transport=self.config.fuse_transport,
+                               native=self.config.fuse_native)
+        self.fs.count_requests(self.session.served)  # promotion yields to them
 
     async def serve(self) -> None:
         assert self.session is not None

@@ -47,6 +47,11 @@ from aifs.fuse.kernel.operations import Operations, Reply, Request, reply_parts
 from aifs.fuse.kernel.passthrough import Passthrough
 from aifs.fuse.kernel.rings import Rings
 
+try:  # the read loop in C (built with the package where a compiler was at hand)
+    from aifs.fuse.kernel import _native
+except ImportError:  # pragma: no cover - built without it: Python reads
+    _native = None
+
 log = logging.getLogger(__name__)
 
 MAX_WORKERS = 64
@@ -71,7 +76,7 @@ class Session:
     def __init__(self, fd: int, ops: Operations, forget: Callable[[list[tuple[int, int]]], None],
                  passthrough: Passthrough, max_background: int = 12,
                  want_passthrough: bool = False, poll: float = 0.0,
-                 transport: str = "dev") -> None:
+                 transport: str = "dev", native: bool = True) -> None:
         self.fd = fd
         self.ops = ops
         self.forget = forget
@@ -88,6 +93,10 @@ class Session:
         self.idle = trio.lowlevel.ParkingLot()  # workers waiting for the role
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
+        # The read loop in C (_native.c), which answers IOCTL and GETXATTR of
+        # names outside user.* itself, counted here by opcode.
+        self.native = native and _native is not None
+        self.native_counts = bytearray(8 * 64)
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
         #: unique -> caller's pid of the INTERRUPTIBLE requests being served;
         #: INTERRUPTED once answered EINTR (their own answer is then dropped)
@@ -111,11 +120,25 @@ class Session:
                 await self.rings.stop(STOP_GRACE)
             nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
+    def all_counts(self) -> collections.Counter[int]:
+        """Requests served by opcode, those the C loop answered included."""
+        counts = self.counts.copy()
+        for op, n in enumerate(memoryview(self.native_counts).cast("Q")):
+            if n:
+                counts[op] += n
+        return counts
+
+    def served(self) -> int:
+        return self.counts.total() + sum(memoryview(self.native_counts).cast("Q"))
+
     def summary(self) -> str:
         """The requests served, by kind, most first (and how many had to wait)."""
         served = ", ".join(f"{p.NAMES.get(op, op)} {n}"
                            + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
-                           for op, n in self.counts.most_common())
+                           for op, n in self.all_counts().most_common())
+        native = sum(memoryview(self.native_counts).cast("Q"))
+        if native:
+            served += f"; {native} of them answered by the C loop"
         if self.rings is not None and self.rings.threads:
             served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
         return served
@@ -203,6 +226,8 @@ class Session:
         return None
 
     async def _read(self, buf: bytearray) -> int | None:
+        if self.native:
+            return await self._read_native(buf)
         since = time.perf_counter()
         while not self.done.is_set():
             try:
@@ -229,6 +254,29 @@ class Session:
                 if exc.errno != errno.ENODEV:  # ENODEV: unmounted
                     log.error("reading /dev/fuse: %s", exc)
                 return None
+        return None
+
+    async def _read_native(self, buf: bytearray) -> int | None:
+        """:meth:`_read` through the C loop, which answers the requests whose
+        answer is fixed itself and polls as :meth:`_poll` does."""
+        assert _native is not None
+        while not self.done.is_set():
+            spin = self.poll if self._close_together and not self.waiting else 0.0
+            since = time.perf_counter()
+            n = _native.serve(self.fd, buf, int(spin * 1e9), self.native_counts)
+            if n > 0:
+                self._close_together = time.perf_counter() - since < self.poll
+                return n
+            if n < 0:
+                if -n != errno.ENODEV:  # ENODEV: unmounted
+                    log.error("reading /dev/fuse: %s", os.strerror(-n))
+                return None
+            if spin:
+                self._close_together = False
+            try:
+                await trio.lowlevel.wait_readable(self.fd)
+            except trio.ClosedResourceError:  # the session stops
+                continue
         return None
 
     async def _serve(self, data: memoryview) -> None:
