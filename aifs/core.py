@@ -27,6 +27,7 @@ from aifs.lake.counting import CountingStore
 from aifs.meta.store import Inode, MetaStore
 from aifs.metrics import Metrics
 from aifs.pack.compaction import Compactor, Upkeep
+from aifs.posix.adopted import JOURNAL, Adopted
 from aifs.posix.control import Control
 from aifs.posix.direct import Direct
 from aifs.posix.files import Files
@@ -94,6 +95,7 @@ class Filesystem:
                       self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,
                                    store, meta, self.packer, self.promoter, self.checkpoints)
+        self.adopted = Adopted(inodes, self.namespace)  # creates a binding answered itself
         self.control = Control(inodes, config, meta, cache, self.fetcher, self.reads,
                                self.listings, self.hosting, self.promoter, self.compactor,
                                self.checkpoints, self.object_attrs, self.dir_prefetch,
@@ -118,7 +120,9 @@ class Filesystem:
         nursery.start_soon(self.metrics.run)
 
     def recover(self) -> None:
-        """At mount: reconcile local copies with the metadata after any exit."""
+        """At mount: reconcile local copies with the metadata after any exit
+        (creates a binding answered itself applied first)."""
+        self.adopted.replay(self.local.root.parent / JOURNAL)
         self.recovery.recover()
 
     # -- counters and state others read (metrics, status, tests) ---------------------

@@ -1,87 +1,149 @@
-"""The kernel session's read loop in C (``aifs/fuse/kernel/_native.c``): the
-requests it answers itself get the answers the Python session gives, and
-tmpfs too; every other request reaches Python unchanged."""
+"""The kernel session's read loop in C (``aifs/fuse/kernel/_native.c``,
+``native.py``): the requests it answers itself get the answers the Python
+session gives, and tmpfs's; the files it creates are the files Python would
+have made, after a remount and after a killed daemon; every other request
+reaches Python."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import signal
 import socket
+import stat
+import struct
+import subprocess
+import sys
 import termios
 from pathlib import Path
 
 import pytest
+import trio
 from conftest import _make_lake
 
 from aifs.fuse.kernel import protocol as p
+from aifs.posix import adopted
 
 native = pytest.importorskip("aifs.fuse.kernel._native")
 
+TTL = 10**9
 
-def request(opcode: int, unique: int, body: bytes = b"") -> bytes:
+
+def request(opcode: int, unique: int, body: bytes = b"", nodeid: int = 1, uid: int = 0) -> bytes:
     length = p.IN_HEADER.size + len(body)
-    return p.IN_HEADER.pack(length, opcode, unique, 1, 0, 0, 0, 0, 0) + body
+    return p.IN_HEADER.pack(length, opcode, unique, nodeid, uid, 0, 0, 0, 0) + body
 
 
-def served(ends: tuple[socket.socket, socket.socket], *requests: bytes,
-           spin_ns: int = 0) -> tuple[list[tuple[int, int]], int, bytes, list[int]]:
-    """Feed ``requests`` to serve() over a socket pair that keeps message
-    boundaries, as /dev/fuse does: the answers it wrote (error, unique), what
-    it returned, the request it left in the buffer, and its counts."""
-    kernel, daemon = ends
-    for r in requests:
-        kernel.send(r)
-    buf, counts = bytearray(1 << 16), bytearray(8 * 64)
-    n = native.serve(daemon.fileno(), buf, spin_ns, counts)
-    answers = []
-    kernel.setblocking(False)
-    while True:
-        try:
-            out = kernel.recv(1 << 16)
-        except BlockingIOError:
-            break
-        length, error, unique = p.OUT_HEADER.unpack_from(out)
-        assert length == len(out) == p.OUT_HEADER.size
-        answers.append((-error, unique))
-    kernel.setblocking(True)
-    return answers, n, bytes(buf[:max(n, 0)]), list(memoryview(counts).cast("Q"))
+def getxattr(name: bytes) -> bytes:
+    return p.GETXATTR_IN.pack(0, 0) + name + b"\0"
+
+
+class Loop:
+    """A Front over a socket pair that keeps message boundaries, as /dev/fuse does."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.kernel, self.daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.daemon.setblocking(False)
+        (tmp / "files").mkdir()
+        self.journal = os.open(tmp / "journal", os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        self.files = os.open(tmp / "files", os.O_RDONLY | os.O_DIRECTORY)
+        self.front = native.Front(self.daemon.fileno(), self.journal, self.files, 5, 0, 4096,
+                                  1 << 16)
+
+    def served(self, *requests: bytes) -> tuple[list[tuple[int, int, bytes]], int, bytes]:
+        """The answers (error, unique, body), serve()'s n and the request it left."""
+        for r in requests:
+            self.kernel.send(r)
+        buf = bytearray(1 << 16)
+        n, _, helper = self.front.serve(buf, 0)
+        assert not helper
+        answers = []
+        self.kernel.setblocking(False)
+        while True:
+            try:
+                out = self.kernel.recv(1 << 16)
+            except BlockingIOError:
+                break
+            length, error, unique = p.OUT_HEADER.unpack_from(out)
+            assert length == len(out)
+            answers.append((-error, unique, out[p.OUT_HEADER.size:]))
+        self.kernel.setblocking(True)
+        return answers, n, bytes(buf[:max(n, 0)])
+
+    def close(self) -> None:
+        self.front.stop()
+        for fd in (self.journal, self.files):
+            os.close(fd)
+        self.kernel.close()
+        self.daemon.close()
 
 
 @pytest.fixture
-def ends():
-    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    daemon.setblocking(False)
-    yield kernel, daemon
-    kernel.close()
-    daemon.close()
+def loop(tmp_path):
+    made = Loop(tmp_path)
+    yield made
+    made.close()
 
 
-def test_fixed_answers_are_given_and_the_rest_left_for_python(ends) -> None:
-    getxattr = lambda name: p.GETXATTR_IN.pack(0, 0) + name + b"\0"  # noqa: E731
+def test_fixed_answers_are_given_and_the_rest_left_for_python(loop) -> None:
     lookup = request(p.LOOKUP, 5, b"name\0")
-    answers, n, left, counts = served(
-        ends, request(p.IOCTL, 1, bytes(32)),
-        request(p.GETXATTR, 2, getxattr(b"security.capability")),
+    answers, n, left = loop.served(
+        request(p.IOCTL, 1, bytes(32)), request(p.GETXATTR, 2, getxattr(b"security.capability")),
         request(p.GETXATTR, 3, getxattr(b"trusted.x")), lookup)
-    assert answers == [(errno.ENOTTY, 1), (errno.ENODATA, 2), (errno.ENODATA, 3)]
+    assert [a[:2] for a in answers] == [(errno.ENOTTY, 1), (errno.ENODATA, 2), (errno.ENODATA, 3)]
     assert (n, left) == (len(lookup), lookup)  # the first one Python answers
+    counts = memoryview(loop.front.counts()).cast("Q")
     assert counts[p.IOCTL] == 1 and counts[p.GETXATTR] == 2 and sum(counts) == 3
 
     user = request(p.GETXATTR, 6, getxattr(b"user.aifs.sync"))  # aifs's own: Python
-    assert served(ends, user)[:3] == ([], len(user), user)
+    assert loop.served(user) == ([], len(user), user)
     unterminated = request(p.GETXATTR, 7, p.GETXATTR_IN.pack(0, 0) + b"security.x")
-    assert served(ends, unterminated)[:3] == ([], len(unterminated), unterminated)
+    assert loop.served(unterminated) == ([], len(unterminated), unterminated)
 
 
-def test_nothing_to_read_returns_after_the_poll_and_an_error_is_told(ends) -> None:
-    assert served(ends, spin_ns=200_000)[:2] == ([], 0)
-    kernel, daemon = ends
-    kernel.close()
+def test_a_directory_handed_over_is_answered_until_taken_back(loop) -> None:
+    attr = p.ATTR.pack(7, 0, 0, 1, 2, 3, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0)
+    loop.front.delegate(7, attr, 1000, 60 * TTL, [b"taken"])
+    answers, n, _ = loop.served(request(p.LOOKUP, 1, b"free\0", nodeid=7),
+                                request(p.GETATTR, 2, bytes(16), nodeid=7))
+    assert n == 0 and [a[:2] for a in answers] == [(0, 1), (0, 2)]
+    negative = answers[0][2]
+    assert p.ENTRY_HEAD.unpack_from(negative)[:3] == (0, 0, 5)  # no inode, cached 5 s
+    assert answers[1][2][p.ATTR_OUT_HEAD.size:] == attr  # the attributes Python gave
+    for left in (request(p.LOOKUP, 3, b"taken\0", nodeid=7),  # a name it holds: Python's
+                 request(p.LOOKUP, 4, b"free\0", nodeid=8),  # another directory
+                 request(p.FLUSH, 5, p.FLUSH_IN.pack(99, 0, 0, 0), nodeid=9)):  # not its handle
+        assert loop.served(left) == ([], len(left), left)
+    assert loop.front.recall(7) and not loop.front.recall(7)
+    again = request(p.LOOKUP, 6, b"free\0", nodeid=7)
+    assert loop.served(again) == ([], len(again), again)
+    # a listing's TTL over: Python looks again
+    loop.front.delegate(7, attr, 1000, 0, [])
+    assert loop.served(again) == ([], len(again), again)
+
+
+def test_a_create_is_left_to_python_where_the_loop_cannot_make_it_direct(loop) -> None:
+    """Over a socket no backing file can be registered: the create goes to
+    Python, which answers it (and all later ones) as before; nothing is left
+    behind and nothing journaled."""
+    attr = p.ATTR.pack(7, 0, 0, 1, 2, 3, 0, 0, 0, stat.S_IFDIR | 0o755, 2, 0, 0, 0, 4096, 0)
+    loop.front.delegate(7, attr, 1000, 60 * TTL, [])
+    loop.front.give([100, 102], 1000, 2000)
+    loop.front.set_creates(True)
+    create = request(p.CREATE, 1, p.CREATE_IN.pack(os.O_WRONLY | os.O_CREAT, 0o644, 0o022, 0)
+                     + b"f\0", nodeid=7)
+    assert loop.served(create) == ([], len(create), create)
+    assert loop.front.state()["creates"] == 0 and loop.front.journaled() == 0
+    assert os.listdir(f"/proc/self/fd/{loop.files}") == []
+
+
+def test_nothing_to_read_returns_after_the_poll_and_an_error_is_told(loop) -> None:
+    buf = bytearray(64)
+    assert loop.front.serve(buf, 200_000) == (0, 0, False)
+    loop.kernel.close()
     # (a closed socket reads 0 bytes, which /dev/fuse never does)
-    assert native.serve(daemon.fileno(), bytearray(64), 0, bytearray(8 * 64)) == -errno.EIO
-    with pytest.raises(ValueError):
-        native.serve(daemon.fileno(), bytearray(64), 0, bytearray(8))
+    assert loop.front.serve(buf, 0) == (-errno.EIO, 0, False)
 
 
 @pytest.mark.parametrize("c_loop", ["true", "false"])
@@ -111,9 +173,159 @@ def test_a_mount_answers_as_tmpfs_with_and_without_the_c_loop(tmp_path, mounter,
     for name in ("security.capability", "trusted.x", "user.kept", "user.missing"):
         assert outcome(m.path / "f", name) == outcome(reference / "f", name), name
     assert ioctl(m.path / "f") == ioctl(reference / "f") == "ENOTTY"
-    with open(m.path / "g", "wb") as fp:  # a new file's first write asks security.capability
-        fp.write(b"more")
-    assert (m.path / "g").read_bytes() == b"more"
     m.unmount()
     summary = m.log_text().split("requests served")[-1]
     assert ("answered by the C loop" in summary) == (c_loop == "true"), summary
+
+
+# A program's files in a new directory, and what the names and attributes are
+# after: run on tmpfs and on the mount, compared.
+PROGRAM = r"""
+import json, os, sys, stat
+root = sys.argv[1]
+os.umask(0o027)
+d = os.path.join(root, "made")
+os.mkdir(d)
+for i in range(200):
+    mode = (0o644, 0o600, 0o755, 0o4755)[i % 4]
+    fd = os.open(os.path.join(d, f"f{i:03d}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    os.write(fd, bytes([i % 251]) * (i * 37))
+    os.close(fd)
+try:
+    os.open(os.path.join(d, "f000"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+except OSError as exc:
+    excl = exc.errno
+os.rename(os.path.join(d, "f001"), os.path.join(d, "moved"))
+os.unlink(os.path.join(d, "f002"))
+os.mkdir(os.path.join(d, "sub"))
+with open(os.path.join(d, "f001"), "wb") as fp:  # the name moved away, made again
+    fp.write(b"again")
+with open(os.path.join(d, "sub", "g"), "wb") as fp:
+    fp.write(b"below")
+def seen(path):
+    st = os.stat(path)
+    size = None if stat.S_ISDIR(st.st_mode) else st.st_size  # (tmpfs counts entries)
+    return [oct(st.st_mode), size, st.st_nlink, st.st_uid, st.st_gid]
+out = {"excl": excl, "names": sorted(os.listdir(d)), "dir": seen(d)[::2],
+       "files": {n: seen(os.path.join(d, n)) for n in sorted(os.listdir(d))},
+       "newest": os.stat(d).st_mtime_ns >= os.stat(os.path.join(d, "f199")).st_mtime_ns}
+print(json.dumps(out))
+"""
+
+
+def run_program(root: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROGRAM, str(root)], capture_output=True,
+                         text=True, check=True, timeout=120)
+    import json
+    return json.loads(out.stdout)
+
+
+def test_files_the_loop_creates_are_as_on_tmpfs_and_after_a_remount(tmp_path, mounter, tmpfs,
+                                                                     aifs_cli) -> None:
+    lake = _make_lake("local", None, tmp_path)
+    m = mounter(lake, "--fuse-binding", "kernel")
+    reference = tmpfs / "native-files"
+    reference.mkdir()
+    expected = run_program(reference)
+    assert run_program(m.path) == expected
+    made = m.path / "made"
+    assert (made / "f100").read_bytes() == bytes([100]) * 3700
+    assert (made / "f001").read_bytes() == b"again"
+    assert aifs_cli("sync", str(m.path)).returncode == 0
+    m.unmount()
+    summary = m.log_text().split("requests served")[-1]
+    assert "creates)" in summary, summary  # the loop made them
+    fresh = mounter(lake, "--fuse-binding", "kernel", name="fresh")  # an empty cache
+    names = sorted(os.listdir(fresh.path / "made"))
+    assert names == expected["names"]
+    for i in (0, 3, 100, 199):
+        assert (fresh.path / "made" / f"f{i:03d}").read_bytes() == bytes([i % 251]) * (i * 37)
+    assert oct(os.stat(fresh.path / "made" / "f003").st_mode) == expected["files"]["f003"][0]
+
+
+def test_files_closed_before_the_daemon_is_killed_are_kept(tmp_path, mounter, aifs_cli) -> None:
+    """Creates the loop answered may not be applied when the daemon dies: the
+    next mount applies them from the journal, so every closed file is there."""
+    lake = _make_lake("local", None, tmp_path)
+    m = mounter(lake, "--fuse-binding", "kernel", "--promote-delay", "3600", name="first")
+    writer = subprocess.run([sys.executable, "-c", (
+        "import os, sys\n"
+        "d = os.path.join(sys.argv[1], 'burst'); os.mkdir(d)\n"
+        "for i in range(1500):\n"
+        "    with open(os.path.join(d, f'{i}'), 'wb') as fp: fp.write(str(i).encode() * 9)\n"),
+        str(m.path)], timeout=120)
+    assert writer.returncode == 0
+    m.proc.send_signal(signal.SIGKILL)
+    m.kill()
+    again = mounter(lake, "--fuse-binding", "kernel", name="second", cache="first")
+    got = {name: (again.path / "burst" / name).read_bytes()
+           for name in os.listdir(again.path / "burst")}
+    assert got == {str(i): str(i).encode() * 9 for i in range(1500)}
+    assert aifs_cli("sync", str(again.path)).returncode == 0
+    again.unmount()
+    assert "creates)" in m.log_text() or "journal:" in again.log_text()
+
+
+async def test_the_journal_a_killed_daemon_left_is_applied_at_mount(tmp_path) -> None:
+    """Records written as the C loop writes them: a file closed (CREATE, FLUSH)
+    comes back with its size and closed; one never closed is a crashed
+    writer's (kept aside by recovery); a record cut short by the crash is left
+    out."""
+    from aifs.cache.blocks import BlockCache
+    from aifs.cache.files import LocalFiles
+    from aifs.config import Config
+    from aifs.core import Filesystem
+    from aifs.lake.local import LocalStore
+    from aifs.meta.store import ROOT_INO, MetaStore
+
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=3600)
+
+    def filesystem() -> Filesystem:
+        return Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                          BlockCache(tmp_path / "cache", config.cache_size),
+                          LocalFiles(tmp_path / "cache"))
+
+    fs = filesystem()
+    async with trio.open_nursery() as nursery:
+        fs.start(nursery)
+        directory = await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+        inos, _ = fs.adopted.reserve(3, 0)
+        nursery.cancel_scope.cancel()
+    fs.meta.close()
+    fs.local.close()
+
+    def create(ino: int, name: bytes) -> bytes:
+        head = adopted.CREATE.pack(0, adopted.CREATED, directory.ino, ino, 1000 + ino,
+                                   1_700_000_000_123_456_789, 0o640, 0, 0, 1, os.O_WRONLY,
+                                   len(name), 5, 99)
+        record = head + name + bytes((8 - (len(head) + len(name)) % 8) % 8)
+        return struct.pack("<I", len(record)) + record[4:]
+
+    def closed(ino: int) -> bytes:
+        return adopted.HANDLE.pack(adopted.HANDLE.size, adopted.FLUSHED, ino, 1000 + ino, 1, 0)
+
+    for ino, data in zip(inos, (b"closed bytes", b"open bytes"), strict=False):
+        (tmp_path / "cache" / "files" / str(ino)).write_bytes(data)
+    journal = (create(inos[0], b"closed") + closed(inos[0]) + create(inos[1], b"open")
+               + create(inos[2], b"cut")[:30])
+    (tmp_path / "cache" / adopted.JOURNAL).write_bytes(journal)
+    fs = filesystem()
+    try:
+        fs.recover()
+        kept = fs.meta.lookup(directory.ino, b"closed")
+        assert kept is not None and kept.ino == inos[0] and kept.size == len(b"closed bytes")
+        assert kept.mode == 0o640 and kept.mtime_ns == os.stat(
+            tmp_path / "cache" / "files" / str(inos[0])).st_mtime_ns
+        assert inos[0] not in fs.meta.unclosed()
+        # never closed: a crashed writer's, kept aside as recovery keeps those
+        assert fs.meta.lookup(directory.ino, b"open") is None
+        assert [p.read_bytes() for p in (tmp_path / "cache" / "recovered").glob("*/d/open")] \
+            == [b"open bytes"]
+        assert fs.meta.lookup(directory.ino, b"cut") is None
+        assert (tmp_path / "cache" / adopted.JOURNAL).stat().st_size == 0
+        fs.recover()  # (applied once: a second mount finds the journal empty)
+    finally:
+        fs.meta.close()
+        fs.local.close()
+

@@ -247,6 +247,14 @@ class LocalFiles:
             raise
         return fd
 
+    def made(self, ino: int, fd: int) -> None:
+        """A new, empty copy someone else made in place (``files/<ino>``, as
+        :meth:`create` would); ``fd`` is kept as its descriptor."""
+        self._drop_fd(ino)
+        self._account(ino, 0)
+        self._fds[ino] = fd
+        self._close_extra()
+
     def adopt(self, ino: int, tmp: Path | str, fd: int = -1, size: int = -1) -> None:
         """Install a fully written temporary file as the copy of ``ino`` (if
         the rename fails nothing changed); ``fd``, an open descriptor of it, is

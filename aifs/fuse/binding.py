@@ -155,6 +155,8 @@ class KernelBinding:
             log.warning("a kernel cache notice is stuck; ending the FUSE connection")
             mount.abort(self.connection)
         mount.unmount(self.mountpoint)
+        if self.session is not None:
+            self.session.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

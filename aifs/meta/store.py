@@ -219,14 +219,16 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
                     txn.put(u64(ino), inode.encode(), db=self.inodes)
 
     def create(self, parent: int, name: bytes, inode: Inode, unclosed: bool = False) -> Inode:
-        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here.
+        """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here
+        unless set (a number from :meth:`reserve_inos`).
         ``unclosed``: created by an open for writing (see :meth:`mark_unclosed`),
         recorded in the same transaction, so no crash can publish it half made."""
         with self._write() as txn:
             objkey = key_bytes(inode.key)
             if txn.get(objkey, db=self.tombs) is not None and not inode.etag:
                 inode.etag = MAYBE_IN_LAKE  # an old object there is deleted or replaced
-            inode.ino = self._counter(txn, SYS_NEXT_INO, 2)
+            if not inode.ino:
+                inode.ino = self._counter(txn, SYS_NEXT_INO, 2)
             cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
             txn.put(u64(parent) + name, U64X2.pack(inode.ino, cookie), db=self.dentries)
             txn.put(u64(parent) + u64(cookie), name, db=self.cookies)
@@ -235,6 +237,14 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
             if unclosed:
                 txn.put(u64(inode.ino), b"", db=self.unclosed_db)
         return inode
+
+    def reserve_inos(self, count: int) -> list[int]:
+        """``count`` inode numbers no create will take, for creates made
+        outside (:mod:`aifs.posix.adopted`); a crash leaves them unused."""
+        with self._write() as txn:
+            first = self._counter(txn, SYS_NEXT_INO, 2)
+            txn.put(SYS_NEXT_INO, u64(first + count), db=self.sys)
+        return list(range(first, first + count))
 
     def reincarnate(self, inode: Inode) -> Inode:
         """Give an entry whose file type turned out different (a symlink object

@@ -92,6 +92,18 @@ class Direct:
                 return None
         if handle.writable:
             await self.writes.make_local(ino)
+        self.went_direct(fh, pid)
+        return self.local.fd(ino)
+
+    def went_direct(self, fh: int, pid: int = 0,
+                    seen: tuple[int, int] | None = None) -> None:
+        """Handle ``fh`` goes direct: what :meth:`backing` settled, or what a
+        create answered outside the core did (:mod:`aifs.posix.adopted`;
+        ``seen``: its copy's size and mtime then, before the writes since)."""
+        inodes = self.inodes
+        handle = inodes.files[fh]
+        ino = handle.ino
+        if handle.writable:
             # Its copy changes past the daemon from now on, unseen until the
             # next absorb: a pack or upload that read it before must not take
             # what it read after this for the version it was handed.
@@ -100,7 +112,7 @@ class Direct:
             self.streams.follow(ino, True)
             writing = self.writers.get(ino)
             if writing is None:
-                writing = self.writers[ino] = Writing(self._stat(ino))
+                writing = self.writers[ino] = Writing(seen or self._stat(ino))
             writing.handles += 1
             self._writing.set()
         inodes.counters.direct_opens += 1
@@ -108,7 +120,10 @@ class Direct:
             self.pacer.io.watch(fh, pid)
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
-        return self.local.fd(ino)
+
+    def may_write_direct(self) -> bool:
+        """Whether a writer that need not clear set-user-ID may go direct now."""
+        return self._may_write_direct(False)
 
     def _may_write_direct(self, kill_setid: bool) -> bool:
         if kill_setid:

@@ -99,9 +99,10 @@ class Files:
         metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
         return inode.key, str(self.local.path(ino)), metadata
 
-    def open_handle(self, inode: Inode, writable: bool) -> int:
+    def open_handle(self, inode: Inode, writable: bool, fh: int = 0) -> int:
+        """A new handle of ``inode`` (numbered ``fh`` where one was reserved)."""
         inodes = self.inodes
-        fh = next(inodes.handles)
+        fh = fh or next(inodes.handles)
         ino = inode.ino
         inodes.opens[ino] = inodes.opens.get(ino, 0) + 1
         if writable:

@@ -272,15 +272,21 @@ class Inodes:
         failed (a failed file keeps it, and stays unpublished)."""
         return ino in self.unclosed and ino not in self.write_failed
 
+    def reserve_handles(self, count: int) -> int:
+        """The first of ``count`` handle numbers no open will take."""
+        first = next(self.handles)
+        self.handles = itertools.count(first + count)
+        return first
+
     # -- directory times ------------------------------------------------------------
-    def touch_dir(self, ino: int, subdirs: bool = True) -> None:
+    def touch_dir(self, ino: int, subdirs: bool = True, at_ns: int = 0) -> None:
         """A directory's entries changed: its mtime moves (kept locally only, and
         stored in batches: a create costs no extra metadata transaction).
         ``subdirs``: the change may have added or removed a subdirectory, so its
         count (st_nlink) is counted again; a file's create or unlink does not
         (that recount scans the whole directory: once per create it made
-        creating n files in one directory cost n^2)."""
-        self.dir_times[ino] = (time.time_ns(), self.clock())
+        creating n files in one directory cost n^2). ``at_ns``: when, if not now."""
+        self.dir_times[ino] = (at_ns, at_ns / 1e9) if at_ns else (time.time_ns(), self.clock())
         if subdirs:
             self.subdir_counts.pop(ino, None)
 

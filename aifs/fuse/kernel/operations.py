@@ -72,6 +72,8 @@ class Operations:
         #: stop the kernel asking; no terminal here). A handler's coroutine and
         #: its raised error cost more than the rest of such a request.
         self.answered: dict[int, int] = {p.IOCTL: errno.ENOTTY}
+        #: called with each directory MKDIR made (the C read loop's, native.py)
+        self.made_dir: Callable[[Inode], None] | None = None
 
     # -- encoding -------------------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
@@ -153,8 +155,12 @@ class Operations:
     async def mkdir(self, req: Request, body: memoryview) -> Reply:
         mode, umask = p.MKDIR_IN.unpack_from(body)
         name, _ = p.cstring(body, p.MKDIR_IN.size)
-        return self.entry(await self.fs.mkdir(req.nodeid, name, stat.S_IFDIR | mode & ~umask,
-                                              req.uid, req.gid))
+        inode = await self.fs.mkdir(req.nodeid, name, stat.S_IFDIR | mode & ~umask, req.uid,
+                                    req.gid)
+        reply = self.entry(inode)
+        if self.made_dir is not None:
+            self.made_dir(inode)
+        return reply
 
     async def unlink(self, req: Request, body: memoryview) -> Reply:
         await self.fs.unlink(req.nodeid, p.cstring(body)[0])

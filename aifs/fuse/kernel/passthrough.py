@@ -55,6 +55,13 @@ class Passthrough:
         self.handles[fh] = ino
         return entry[0]
 
+    def adopt(self, ino: int, fh: int, backing: int) -> None:
+        """Handle ``fh`` of ``ino`` went direct on ``backing``, registered by
+        the C read loop (``native.py``) for a create it answered."""
+        entry = self.ids.setdefault(ino, [backing, 0])
+        entry[1] += 1
+        self.handles[fh] = ino
+
     def released(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
         if ino is None:

@@ -43,6 +43,7 @@ import trio
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel import uring
+from aifs.fuse.kernel.native import Native
 from aifs.fuse.kernel.operations import Operations, Reply, Request, reply_parts
 from aifs.fuse.kernel.passthrough import Passthrough
 from aifs.fuse.kernel.rings import Rings
@@ -93,10 +94,10 @@ class Session:
         self.idle = trio.lowlevel.ParkingLot()  # workers waiting for the role
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
-        # The read loop in C (_native.c), which answers IOCTL and GETXATTR of
-        # names outside user.* itself, counted here by opcode.
-        self.native = native and _native is not None
-        self.native_counts = bytearray(8 * 64)
+        # The read loop in C (_native.c; native.py), which answers some
+        # requests itself, counted there by opcode.
+        self.native = Native(_native.Front, fd, ops, passthrough, BUFFER) \
+            if native and _native is not None else None
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
         #: unique -> caller's pid of the INTERRUPTIBLE requests being served;
         #: INTERRUPTED once answered EINTR (their own answer is then dropped)
@@ -123,22 +124,29 @@ class Session:
     def all_counts(self) -> collections.Counter[int]:
         """Requests served by opcode, those the C loop answered included."""
         counts = self.counts.copy()
-        for op, n in enumerate(memoryview(self.native_counts).cast("Q")):
-            if n:
-                counts[op] += n
+        if self.native is not None:
+            for op, n in enumerate(self.native.counts()):
+                if n:
+                    counts[op] += n
         return counts
 
     def served(self) -> int:
-        return self.counts.total() + sum(memoryview(self.native_counts).cast("Q"))
+        return self.counts.total() + (sum(self.native.counts()) if self.native else 0)
+
+    def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
 
     def summary(self) -> str:
         """The requests served, by kind, most first (and how many had to wait)."""
         served = ", ".join(f"{p.NAMES.get(op, op)} {n}"
                            + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
                            for op, n in self.all_counts().most_common())
-        native = sum(memoryview(self.native_counts).cast("Q"))
+        native = sum(self.native.counts()) if self.native is not None else 0
         if native:
             served += f"; {native} of them answered by the C loop"
+            if self.native.creates:
+                served += f" ({self.native.creates} creates)"
         if self.rings is not None and self.rings.threads:
             served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
         return served
@@ -156,6 +164,8 @@ class Session:
         cut in half would leave half a file), for a while."""
         await self.done.wait()
         trio.lowlevel.notify_closing(self.fd)  # wakes the reader waiting on it
+        if self.native is not None:
+            trio.lowlevel.notify_closing(self.native.efd)
         await trio.sleep(STOP_GRACE)
         nursery.cancel_scope.cancel()
 
@@ -226,8 +236,8 @@ class Session:
         return None
 
     async def _read(self, buf: bytearray) -> int | None:
-        if self.native:
-            return await self._read_native(buf)
+        if self.native is not None:
+            return await self._read_native(buf, self.native)
         since = time.perf_counter()
         while not self.done.is_set():
             try:
@@ -256,28 +266,47 @@ class Session:
                 return None
         return None
 
-    async def _read_native(self, buf: bytearray) -> int | None:
-        """:meth:`_read` through the C loop, which answers the requests whose
-        answer is fixed itself and polls as :meth:`_poll` does."""
-        assert _native is not None
+    async def _read_native(self, buf: bytearray, native: Native) -> int | None:
+        """:meth:`_read` through the C loop, which answers what it can itself
+        (applied to the core before this returns) and polls as :meth:`_poll`
+        does."""
         while not self.done.is_set():
+            if native.helper_reads:  # (creates came: the C helper thread reads)
+                try:
+                    n = await native.from_helper(buf)
+                except trio.ClosedResourceError:  # the session stops
+                    continue
+                if n > 0:
+                    self._close_together = True
+                    return n
+                if n < 0:
+                    return self._read_failed(n)
+                continue
             spin = self.poll if self._close_together and not self.waiting else 0.0
             since = time.perf_counter()
-            n = _native.serve(self.fd, buf, int(spin * 1e9), self.native_counts)
+            n, answered = await native.serve(buf, int(spin * 1e9))
+            if native.helper_reads:
+                continue
             if n > 0:
-                self._close_together = time.perf_counter() - since < self.poll
+                self._close_together = bool(answered) or time.perf_counter() - since < self.poll
                 return n
             if n < 0:
-                if -n != errno.ENODEV:  # ENODEV: unmounted
-                    log.error("reading /dev/fuse: %s", os.strerror(-n))
-                return None
-            if spin:
-                self._close_together = False
+                return self._read_failed(n)
+            if answered >= native.turns:  # a flood answered in C: let the rest of aifs run
+                await trio.lowlevel.checkpoint()
+                continue
+            # nothing came within the poll (if it polled): sleep in epoll, and
+            # poll again once requests come close together
+            self._close_together = bool(answered) and not spin
             try:
                 await trio.lowlevel.wait_readable(self.fd)
             except trio.ClosedResourceError:  # the session stops
                 continue
         return None
+
+    def _read_failed(self, n: int) -> None:
+        if -n != errno.ENODEV:  # ENODEV: unmounted
+            log.error("reading /dev/fuse: %s", os.strerror(-n))
 
     async def _serve(self, data: memoryview) -> None:
         (length, opcode, unique, nodeid, uid, gid, pid, extlen,
@@ -303,6 +332,8 @@ class Session:
             return
         if opcode == p.INIT:
             self._reply(unique, 0, self._init(body))
+            if self.native is not None:
+                self.native.started()
             if self.rings is not None and self.rings.chosen:
                 assert self._outer is not None
                 self.rings.start(self._outer, self._rings_up)
@@ -315,6 +346,8 @@ class Session:
         if handler is None:
             self._reply(unique, self.ops.answered.get(opcode, errno.ENOSYS), b"")
             return
+        if self.native is not None:
+            self.native.before(opcode, nodeid, body)
         interruptible = opcode in INTERRUPTIBLE
         if interruptible:
             self.pending[unique] = pid

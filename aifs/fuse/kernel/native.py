@@ -1,0 +1,179 @@
+"""The C read loop's Python side (``_native.c``): which directories it may
+create files in, and what it answered, applied to the core before anything
+else runs.
+
+The loop answers the seven requests of a create (GETATTR of the directory,
+LOOKUP of the new name, CREATE, IOCTL, GETXATTR, FLUSH, RELEASE) without
+Python in a directory handed over to it, and journals what it did
+(:mod:`aifs.posix.adopted`). Python and the loop run in one thread, one at
+a time: the loop runs inside :meth:`Native.serve`, which applies what it
+journaled before it returns; so every handler, and every other task, finds
+the core as if Python had answered those requests itself.
+
+A directory is handed over at its MKDIR, where the core knows every name in
+it (none) and its listing is fresh: only until that listing's TTL ends (a
+later listing may bring names from the lake), and not where its files would
+take its group (set-group-ID). It is taken back, for good, before Python
+answers a request that adds or removes a name in it, changes its
+attributes, or moves a directory (the lake keys below change length, which
+the loop checks names against). The loop leaves to Python what Python would
+answer otherwise than it can: a create by a user other than root (whose
+writes must clear set-user-ID, so not direct), for reading, of a name it
+holds, with no passthrough or no room for a direct writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import trio
+
+from aifs.fuse.kernel import protocol as p
+from aifs.fuse.kernel.operations import Operations
+from aifs.fuse.kernel.passthrough import Passthrough
+from aifs.meta.store import Inode
+from aifs.posix.adopted import FLUSHED, JOURNAL, Created, records
+
+log = logging.getLogger(__name__)
+
+#: requests that change the directory they name (a name in it, its attributes)
+CHANGES_DIR = frozenset({p.SETATTR, p.MKNOD, p.MKDIR, p.UNLINK, p.RMDIR, p.SYMLINK,
+                         p.RENAME, p.RENAME2, p.LINK, p.CREATE, p.SETXATTR, p.REMOVEXATTR})
+TURNS = 64  # _native.c's: requests it answers in a row before Python's turn
+POOL_LOW = 256  # inode numbers or handles left to the loop before more are reserved
+POOL_INOS = 1024
+POOL_HANDLES = 4096
+
+
+class Native:
+    def __init__(self, front_type: type, devfd: int, ops: Operations,
+                 passthrough: Passthrough, buffer: int) -> None:
+        self.fs = fs = ops.fs
+        self.ops = ops
+        self.passthrough = passthrough
+        cache_dir = fs.local.root.parent
+        self.journal_fd = os.open(cache_dir / JOURNAL,
+                                  os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self.journal_fd, 0)  # (applied at mount by recovery)
+        self.files_fd = os.open(fs.local.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        seconds, nanos = ops.ttl
+        self.front = front_type(devfd, self.journal_fd, self.files_fd, seconds, nanos,
+                                ops.blksize, buffer)
+        self.efd = self.front.eventfd()
+        self.helper_reads = False  # the C helper thread holds the reader's role
+        self.delegated: set[int] = set()
+        self.applied = 0  # journal bytes applied
+        self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
+        self.creates = 0  # creates the loop answered
+        self.turns = TURNS
+        ops.made_dir = self.hand_over
+
+    def counts(self) -> memoryview:
+        return memoryview(self.front.counts()).cast("Q")
+
+    def started(self) -> None:
+        """INIT is answered: passthrough is settled."""
+        self._refill()
+
+    async def serve(self, buf: bytearray, spin_ns: int) -> tuple[int, int]:
+        """Read and answer requests (``Front.serve``): (n, answered) as it
+        returns them; what was journaled is applied before this returns.
+        Where creates came, the helper thread reads from then on
+        (:attr:`helper_reads`: call :meth:`from_helper` instead)."""
+        n, answered, self.helper_reads = self.front.serve(buf, spin_ns)
+        if self.front.journaled() != self.applied:
+            await self.apply()
+        return n, answered
+
+    async def from_helper(self, buf: bytearray) -> int:
+        """While the helper reads: wait until it journals or hands a request
+        over, and apply what it journaled. The request's length (in ``buf``;
+        the role is Python's again), 0 if the helper still reads, or -errno."""
+        await trio.lowlevel.wait_readable(self.efd)
+        n = self.front.take(buf)
+        if n:
+            self.helper_reads = False
+        if self.front.journaled() != self.applied:
+            await self.apply()
+        return n
+
+    async def apply(self) -> None:
+        """Apply what the loop journaled since the last call."""
+        end = self.front.journaled()
+        data = os.pread(self.journal_fd, end - self.applied, self.applied)
+        done, used = records(data)
+        fs = self.fs
+        for record in done:
+            try:
+                if isinstance(record, Created):
+                    fs.adopted.create(record)
+                    self.passthrough.adopt(record.ino, record.fh, record.backing)
+                    # (what it wrote since is taken at its flush: seen as made)
+                    fs.direct.went_direct(record.fh, record.pid, (0, record.time_ns))
+                    self.creates += 1
+                elif record.kind == FLUSHED:
+                    fs.absorb(record.ino)
+                    await fs.flush(record.fh)
+                else:
+                    self.passthrough.released(record.fh)
+                    fs.release(record.fh)
+            except Exception:  # the program was answered: keep going with the rest
+                log.exception("applying %s of inode %d answered by the C loop", record,
+                              record.ino)
+        self.applied += used
+        if self.front.journal_applied(self.applied):  # all of it, and no more came
+            self.applied = 0
+        self._refill()
+
+    def _refill(self) -> None:
+        state = self.front.state()
+        inos = POOL_INOS if state["inos"] < POOL_LOW else 0
+        handles = POOL_HANDLES if state["fhs"] < POOL_LOW else 0
+        if inos or handles:
+            numbers, first = self.fs.adopted.reserve(inos, handles)
+            self.front.give(numbers, first, first + handles if handles else 0)
+        self.front.set_creates(self.passthrough.enabled and self.fs.direct.may_write_direct())
+
+    # -- directories ------------------------------------------------------------------
+    def hand_over(self, directory: Inode) -> None:
+        """A directory just made: the loop may create files in it."""
+        if (not self.passthrough.enabled or self.ttl_ns <= 0
+                or directory.mode >= 0 and directory.mode & stat.S_ISGID):
+            return
+        room = self.fs.store.max_key_bytes - len(directory.key.encode("utf-8", "surrogateescape"))
+        attr = self.ops.attr(self.ops.attributes(directory))
+        self.front.delegate(directory.ino, attr, max(room, 0), self.ttl_ns, [])
+        self.delegated.add(directory.ino)
+
+    def before(self, opcode: int, nodeid: int, body: memoryview) -> None:
+        """Python answers this request: take back the directories it changes."""
+        if opcode not in CHANGES_DIR or not self.delegated:
+            return
+        if opcode in (p.RENAME, p.RENAME2):
+            (newdir,) = p.RENAME_IN.unpack_from(body)
+            old, end = p.cstring(body, p.RENAME_IN.size if opcode == p.RENAME
+                                 else p.RENAME2_IN.size)
+            new, _ = p.cstring(body, end)
+            meta = self.fs.meta
+            moved, replaced = meta.lookup(nodeid, old), meta.lookup(newdir, new)
+            if moved is None or moved.is_dir or replaced is not None and replaced.is_dir:
+                self.take_back_all()  # (a directory moved: the keys below change length)
+                return
+            self.take_back(newdir)
+        self.take_back(nodeid)
+
+    def take_back(self, ino: int) -> None:
+        if ino in self.delegated:
+            self.delegated.discard(ino)
+            self.front.recall(ino)
+
+    def take_back_all(self) -> None:
+        for ino in list(self.delegated):
+            self.take_back(ino)
+
+    def close(self) -> None:
+        self.front.stop()
+        for fd in (self.journal_fd, self.files_fd):
+            os.close(fd)
