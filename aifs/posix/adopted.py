@@ -28,7 +28,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from aifs.checkpoint import Checkpoints
 from aifs.errors import FsError
+from aifs.flush.promoter import Promoter
 from aifs.posix.inodes import Inodes
 from aifs.posix.namespace import Namespace
 
@@ -91,9 +93,12 @@ def records(data: bytes | memoryview) -> tuple[list[Record], int]:
 
 
 class Adopted:
-    def __init__(self, inodes: Inodes, namespace: Namespace) -> None:
+    def __init__(self, inodes: Inodes, namespace: Namespace, checkpoints: Checkpoints,
+                 promoter: Promoter) -> None:
         self.inodes = inodes
         self.namespace = namespace
+        self.checkpoints = checkpoints
+        self.promoter = promoter
         self.meta = inodes.meta
 
     def reserve(self, inos: int, handles: int) -> tuple[list[int], int]:
@@ -107,6 +112,23 @@ class Adopted:
         self.namespace.adopt_create(record.parent, record.name, record.mode, record.uid,
                                     record.gid, record.ino, record.time_ns, record.fh,
                                     record.fd)
+
+    def create_closed(self, record: Created) -> None:
+        """A create whose flush and release the loop answered too before any of
+        them was applied: the file as its close leaves it (size and mtime from
+        its copy), in one metadata transaction, without the handle that is gone;
+        what a close does then (a checkpoint marker seen closed, promotion
+        scheduled) as :meth:`aifs.posix.files.Files.release` does it."""
+        st = os.fstat(record.fd)
+        inode = self.namespace.adopt_create(record.parent, record.name, record.mode,
+                                            record.uid, record.gid, record.ino, record.time_ns,
+                                            fd=record.fd, closed=(st.st_size, st.st_mtime_ns))
+        checkpoints = self.checkpoints
+        checkpoints.closed(inode.ino, inode)
+        self.inodes.counters.direct_opens += 1
+        urgent = checkpoints.is_unfinished_marker(inode)
+        self.promoter.schedule(inode.ino, 0.0 if urgent else None,
+                               sooner=checkpoints.is_marker(inode))
 
     def replay(self, path: Path) -> int:
         """At mount, before recovery: apply what the journal at ``path`` holds

@@ -78,8 +78,9 @@ class Namespace:
 
     def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
              pending: int, unclosed: bool = False, ino: int = 0, at_ns: int = 0,
-             **extra: object) -> Inode:
-        """``ino``, ``at_ns``: the number and time a create made outside chose."""
+             mtime_ns: int = 0, changed_ns: int = 0, **extra: object) -> Inode:
+        """``ino``, ``at_ns``: the number and time a create made outside chose
+        (``mtime_ns``, ``changed_ns``: its mtime and ctime, if its writer closed it)."""
         now = at_ns / 1e9 if at_ns else self.inodes.clock()
         key = directory.key + name_of(name) + ("/" if kind == DIR else "")
         self.check_key(key)
@@ -90,8 +91,9 @@ class Namespace:
             gid = self.inodes.gid if directory.gid < 0 else directory.gid
             if kind == DIR:
                 mode |= stat.S_ISGID
-        inode = Inode(ino, kind, key, directory.ino, mtime_ns=at_ns or time.time_ns(),
-                      mode=mode, uid=uid, gid=gid, ctime=now,
+        inode = Inode(ino, kind, key, directory.ino,
+                      mtime_ns=mtime_ns or at_ns or time.time_ns(), mode=mode, uid=uid,
+                      gid=gid, ctime=changed_ns / 1e9 if changed_ns else now,
                       attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
         inode = self.meta.create(directory.ino, name, inode, unclosed)
         if unclosed:
@@ -132,16 +134,26 @@ class Namespace:
         return fh
 
     def adopt_create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                     ino: int, at_ns: int, fh: int = 0, fd: int = -1) -> Inode:
+                     ino: int, at_ns: int, fh: int = 0, fd: int = -1,
+                     closed: tuple[int, int] | None = None) -> Inode:
         """A create answered before the core heard of it (:mod:`aifs.posix.adopted`):
         the entry and open handle ``fh`` as :meth:`create` makes them, with the
         inode number and time it chose, and the local copy it made (``fd``, its
-        descriptor). ``fh`` 0: no handle (a record applied at mount)."""
+        descriptor). ``fh`` 0: no handle (a record applied at mount).
+        ``closed``: its writer closed it already, at this (size, mtime_ns):
+        stored so, with no handle and no unclosed mark."""
+        extra = {} if closed is None else {"size": closed[0]}
         inode = self._add(self.inodes.directory(parent), name, FILE, mode, uid, gid, DATA,
-                          unclosed=True, ino=ino, at_ns=at_ns)
-        self.inodes.kernel_etag[ino] = inode.etag
-        if fh:
+                          unclosed=closed is None, ino=ino, at_ns=at_ns,
+                          mtime_ns=closed[1] if closed else 0,
+                          changed_ns=max(at_ns, closed[1]) if closed else 0, **extra)
+        if closed is None:  # (written direct since: what the kernel cached is not it)
+            self.inodes.kernel_etag[ino] = inode.etag
+        if fd >= 0:
             self.local.made(ino, fd)
+        if closed is not None:
+            self.local.resized(ino, closed[0])
+        elif fh:
             self._open_new(inode, uid, fh)
         return inode
 

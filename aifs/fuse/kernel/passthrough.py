@@ -62,6 +62,14 @@ class Passthrough:
         entry[1] += 1
         self.handles[fh] = ino
 
+    def drop(self, backing: int) -> None:
+        """Close a backing id no handle of this session holds any more."""
+        try:
+            fcntl.ioctl(self.devfd, p.DEV_IOC_BACKING_CLOSE,
+                        bytearray(struct.pack("<I", backing)), True)
+        except OSError as exc:
+            log.warning("closing backing id %d: %s", backing, exc.strerror)
+
     def released(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
         if ino is None:
@@ -73,9 +81,4 @@ class Passthrough:
         entry[1] -= 1
         if entry[1] == 0:
             del self.ids[ino]
-            try:
-                fcntl.ioctl(self.devfd, p.DEV_IOC_BACKING_CLOSE,
-                            bytearray(struct.pack("<I", entry[0])), True)
-            except OSError as exc:
-                log.warning("closing backing id %d of inode %d: %s", entry[0], ino,
-                            exc.strerror)
+            self.drop(entry[0])
