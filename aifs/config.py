@@ -142,8 +142,10 @@ class Config:
                                   "the fuse module's enable_uring on, else 'dev').")
     fuse_native: bool = _option(True, "With the kernel binding: read requests in C, which "
                                 "answers those whose answer is fixed (IOCTL, GETXATTR of "
-                                "names outside user.*) without Python; false, or a build "
-                                "without a C compiler: read in Python.", "bool")
+                                "names outside user.*) and root's creates of files in "
+                                "directories this node just made without Python (each "
+                                "journaled before it is answered); false, or a build "
+                                "without a C compiler: all in Python.", "bool")
     dir_prefetch: bool = _option(True, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch, in "
                                  "order or shuffled), many GETs at once; what is fetched "

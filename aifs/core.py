@@ -120,8 +120,7 @@ class Filesystem:
         nursery.start_soon(self.metrics.run)
 
     def recover(self) -> None:
-        """At mount: reconcile local copies with the metadata after any exit
-        (creates a binding answered itself applied first)."""
+        """At mount: apply a binding's journal, then reconcile copies with metadata."""
         self.adopted.replay(self.local.root.parent / JOURNAL)
         self.recovery.recover()
 

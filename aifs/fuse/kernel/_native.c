@@ -80,13 +80,6 @@ static PyObject *front_stop(Front *f, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *front_helper_reads(Front *f, PyObject *unused) {
-    pthread_mutex_lock(&f->role_lock);
-    int reads = f->helper_reads;
-    pthread_mutex_unlock(&f->role_lock);
-    return PyBool_FromLong(reads);
-}
-
 static PyObject *front_eventfd(Front *f, PyObject *unused) { return PyLong_FromLong(f->efd); }
 
 static PyObject *front_counts(Front *f, PyObject *unused) {
@@ -303,8 +296,6 @@ static PyMethodDef front_methods[] = {
     {"take", (PyCFunction)front_take, METH_VARARGS,
      "take(buffer) -> n: the request the helper read for Python (copied into buffer; "
      "the reader's role is Python's again), 0 if it still reads, or -errno"},
-    {"helper_reads", (PyCFunction)front_helper_reads, METH_NOARGS,
-     "helper_reads() -> whether the helper thread holds the reader's role"},
     {"eventfd", (PyCFunction)front_eventfd, METH_NOARGS,
      "eventfd() -> the fd that becomes readable when the helper journaled or handed over"},
     {"stop", (PyCFunction)front_stop, METH_NOARGS, "stop(): end the helper thread"},
