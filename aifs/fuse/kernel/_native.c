@@ -204,14 +204,39 @@ static PyObject *front_give_locked(Front *f, PyObject *args) {
     if (end_fh > first_fh) {
         f->next_fh = first_fh, f->end_fh = end_fh;
         if (!f->fhs_cap) {
-            f->fhs_cap = 4096;
-            f->fhs = calloc(f->fhs_cap, sizeof *f->fhs);
-            f->fh_inos = calloc(f->fhs_cap, sizeof *f->fh_inos);
-            if (!f->fhs || !f->fh_inos)
+            uint64_t *fhs = calloc(4096, sizeof *fhs), *inos_of = calloc(4096, sizeof *inos_of);
+            if (!fhs || !inos_of) {
+                free(fhs);
+                free(inos_of);
+                f->end_fh = f->next_fh; /* (none to give: no creates answered here) */
                 return PyErr_NoMemory();
+            }
+            f->fhs = fhs, f->fh_inos = inos_of, f->fhs_cap = 4096;
         }
     }
     return Py_BuildValue("nK", (Py_ssize_t)f->inos_len, (unsigned long long)(f->end_fh - f->next_fh));
+}
+
+static PyObject *front_add_name_locked(Front *f, PyObject *args) {
+    /* Python made a name in directory ino, whose times moved: the loop knows them now */
+    unsigned long long ino;
+    Py_buffer name;
+    long long mtime_ns, ctime_ns;
+    if (!PyArg_ParseTuple(args, "Ky*LL", &ino, &name, &mtime_ns, &ctime_ns))
+        return NULL;
+    Dir *d = dir_get(f, ino);
+    int failed = d && name_add(d, name.buf, (size_t)name.len) < 0;
+    PyBuffer_Release(&name);
+    if (failed) { /* (out of memory: Python takes the directory back) */
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (d) {
+        dir_times(d, mtime_ns);
+        d->attr.ctime = (uint64_t)(ctime_ns / 1000000000);
+        d->attr.ctimensec = (uint32_t)(ctime_ns % 1000000000);
+    }
+    return PyBool_FromLong(d != NULL);
 }
 
 static PyObject *front_set_creates_locked(Front *f, PyObject *args) {
@@ -223,10 +248,11 @@ static PyObject *front_set_creates_locked(Front *f, PyObject *args) {
 }
 
 static PyObject *front_state_locked(Front *f, PyObject *unused) {
-    return Py_BuildValue("{s:n,s:n,s:K,s:n,s:i}", "dirs", (Py_ssize_t)f->dirs_count, "inos",
-                         (Py_ssize_t)f->inos_len, "fhs",
+    return Py_BuildValue("{s:n,s:n,s:K,s:n,s:i,s:i}", "dirs", (Py_ssize_t)f->dirs_count,
+                         "inos", (Py_ssize_t)f->inos_len, "fhs",
                          (unsigned long long)(f->end_fh - f->next_fh), "open",
-                         (Py_ssize_t)f->fhs_count, "creates", f->creates);
+                         (Py_ssize_t)f->fhs_count, "creates", f->creates && !f->no_backing,
+                         "broken", f->broken);
 }
 
 /* Python's calls take the lock the helper answers under. */
@@ -243,6 +269,7 @@ LOCKED(front_recall)
 LOCKED(front_delegate)
 LOCKED(front_give)
 LOCKED(front_set_creates)
+LOCKED(front_add_name)
 LOCKED(front_state)
 
 static int front_init(Front *f, PyObject *args, PyObject *kw) {
@@ -307,6 +334,9 @@ static PyMethodDef front_methods[] = {
     {"give", (PyCFunction)front_give, METH_VARARGS,
      "give(inos, first_fh, end_fh) -> (inode numbers, handles) left to give: add inode "
      "numbers; handles from first_fh up to end_fh (replacing what is left, if any)"},
+    {"add_name", (PyCFunction)front_add_name, METH_VARARGS,
+     "add_name(ino, name, mtime_ns, ctime_ns) -> whether directory ino is handed over: "
+     "Python made name in it, and its times moved there"},
     {"set_creates", (PyCFunction)front_set_creates, METH_VARARGS,
      "set_creates(on): whether CREATE may be answered here"},
     {"state", (PyCFunction)front_state, METH_NOARGS, "state() -> a dict, for tests and logs"},

@@ -5,10 +5,14 @@ else runs.
 The loop answers the seven requests of a create (GETATTR of the directory,
 LOOKUP of the new name, CREATE, IOCTL, GETXATTR, FLUSH, RELEASE) without
 Python in a directory handed over to it, and journals what it did
-(:mod:`aifs.posix.adopted`). Python and the loop run in one thread, one at
-a time: the loop runs inside :meth:`Native.serve`, which applies what it
-journaled before it returns; so every handler, and every other task, finds
-the core as if Python had answered those requests itself.
+(:mod:`aifs.posix.adopted`). It runs inside :meth:`Native.serve`, in the
+trio thread, until creates come; then a helper thread of its own reads and
+answers while the trio thread applies the journal beside it
+(:meth:`Native.from_helper`), until the helper reads a request for Python
+and hands it back. Python applies everything journaled before it answers any
+request, so every handler finds the core as if Python had answered those
+requests itself; other tasks (promotion, listings) may run while records
+wait, and meanwhile see those files as not created yet, or still open.
 
 A directory is handed over at its MKDIR, where the core knows every name in
 it (none) and its listing is fresh: only until that listing's TTL ends (a
@@ -16,10 +20,13 @@ later listing may bring names from the lake), and not where its files would
 take its group (set-group-ID). It is taken back, for good, before Python
 answers a request that adds or removes a name in it, changes its
 attributes, or moves a directory (the lake keys below change length, which
-the loop checks names against). The loop leaves to Python what Python would
-answer otherwise than it can: a create by a user other than root (whose
-writes must clear set-user-ID, so not direct), for reading, of a name it
-holds, with no passthrough or no room for a direct writer.
+the loop checks names against); a create the loop leaves to Python keeps it
+(the loop is told the name). Those past their TTL are dropped.
+
+The loop leaves to Python what Python would answer otherwise than it can: a
+create by a user other than root (whose writes must clear set-user-ID, so
+not direct), for reading, of a name it holds, with no passthrough or no room
+for a direct writer.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 
 import trio
 
@@ -63,10 +71,13 @@ class Native:
                                 ops.blksize, buffer)
         self.efd = self.front.eventfd()
         self.helper_reads = False  # the C helper thread holds the reader's role
-        self.delegated: set[int] = set()
+        #: directories handed over -> when their listing's TTL ends (monotonic,
+        #: so in order): those past it are dropped on both sides as more come
+        self.delegated: dict[int, float] = {}
         self.applied = 0  # journal bytes applied
         self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
         self.creates = 0  # creates the loop answered
+        self.broken = False
         self.turns = TURNS
         ops.made_dir = self.hand_over
 
@@ -99,11 +110,21 @@ class Native:
             await self.apply()
         return n
 
+    async def finish(self) -> None:
+        """The session ends: the helper stops, and what it journaled is applied
+        (before the drain at unmount promotes it)."""
+        self.front.stop()
+        self.helper_reads = False
+        if self.front.journaled() != self.applied:
+            await self.apply()
+
     async def apply(self) -> None:
         """Apply what the loop journaled since the last call."""
         end = self.front.journaled()
         data = os.pread(self.journal_fd, end - self.applied, self.applied)
         done, used = records(data)
+        if used < len(data) or self.front.state()["broken"]:
+            self._broken()
         fs = self.fs
         # A file created, written and closed before any of it was applied (the
         # common case: small files come and go between two applies) is applied
@@ -137,6 +158,15 @@ class Native:
             self.applied = 0
         self._refill()
 
+    def _broken(self) -> None:
+        """A record cut short (a full disk the journal could not be cut back
+        on): the loop creates no more, Python answers all from now on."""
+        log.error("the C loop's journal holds a record cut short: creates go through "
+                  "Python from now on")
+        self.broken = True
+        self.front.set_creates(False)
+        self.take_back_all()
+
     def _refill(self) -> None:
         state = self.front.state()
         inos = POOL_INOS if state["inos"] < POOL_LOW else 0
@@ -144,22 +174,30 @@ class Native:
         if inos or handles:
             numbers, first = self.fs.adopted.reserve(inos, handles)
             self.front.give(numbers, first, first + handles if handles else 0)
-        self.front.set_creates(self.passthrough.enabled and self.fs.direct.may_write_direct())
+        self.front.set_creates(not self.broken and self.passthrough.enabled
+                               and self.fs.direct.may_write_direct())
 
     # -- directories ------------------------------------------------------------------
     def hand_over(self, directory: Inode) -> None:
         """A directory just made: the loop may create files in it."""
-        if (not self.passthrough.enabled or self.ttl_ns <= 0
+        now = time.monotonic()
+        while self.delegated:  # (past their TTL: the loop answers nothing there)
+            first, until = next(iter(self.delegated.items()))
+            if until > now:
+                break
+            self.take_back(first)
+        if (not self.passthrough.enabled or self.ttl_ns <= 0 or self.broken
                 or directory.mode >= 0 and directory.mode & stat.S_ISGID):
             return
         room = self.fs.store.max_key_bytes - len(directory.key.encode("utf-8", "surrogateescape"))
         attr = self.ops.attr(self.ops.attributes(directory))
         self.front.delegate(directory.ino, attr, max(room, 0), self.ttl_ns, [])
-        self.delegated.add(directory.ino)
+        self.delegated[directory.ino] = now + self.ttl_ns / 1e9
 
     def before(self, opcode: int, nodeid: int, body: memoryview) -> None:
-        """Python answers this request: take back the directories it changes."""
-        if opcode not in CHANGES_DIR or not self.delegated:
+        """Python answers this request: take back the directories it changes
+        (a create the loop left to Python keeps its directory: :meth:`created`)."""
+        if opcode not in CHANGES_DIR or not self.delegated or opcode == p.CREATE:
             return
         if opcode in (p.RENAME, p.RENAME2):
             (newdir,) = p.RENAME_IN.unpack_from(body)
@@ -178,9 +216,18 @@ class Native:
                 self.take_back(removed.ino)
         self.take_back(nodeid)
 
+    def created(self, nodeid: int, body: memoryview) -> None:
+        """Python made the file a CREATE in ``nodeid`` named (one the loop left
+        to it: another user's, say): the loop knows the name and the times."""
+        if nodeid in self.delegated:
+            name, _ = p.cstring(body, p.CREATE_IN.size)
+            mtime_ns, ctime = self.fs.inodes.dir_times.get(nodeid, (0, 0.0))
+            if not mtime_ns or not self.front.add_name(nodeid, name, mtime_ns,
+                                                       int(ctime * 1e9)):
+                self.take_back(nodeid)
+
     def take_back(self, ino: int) -> None:
-        if ino in self.delegated:
-            self.delegated.discard(ino)
+        if self.delegated.pop(ino, None) is not None:
             self.front.recall(ino)
 
     def take_back_all(self) -> None:

@@ -119,6 +119,8 @@ class Session:
                 self._spawn()
             if self.rings is not None:  # requests a ring's thread began may finish
                 await self.rings.stop(STOP_GRACE)
+            if self.native is not None:  # what its helper journaled last, applied
+                await self.native.finish()
             nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
     def all_counts(self) -> collections.Counter[int]:
@@ -360,6 +362,8 @@ class Session:
             return
         if interruptible and not self._answered(unique, reply if opcode == p.LOOKUP else None):
             return
+        if opcode == p.CREATE and self.native is not None:
+            self.native.created(nodeid, body)
         try:
             self._reply(unique, 0, reply)
         except Exception:  # a reply that cannot be encoded: the caller must not wait on

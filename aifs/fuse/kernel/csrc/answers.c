@@ -11,6 +11,8 @@ static void answer(Front *f, uint64_t unique, int error, const void *body, size_
 
 static int journal(Front *f, const void *record, size_t size, const char *name, size_t len) {
     static const char zeros[8];
+    if (f->broken)
+        return -1;
     struct iovec iov[3] = {{(void *)record, size}, {(void *)name, len}, {(void *)zeros, 0}};
     size_t total = size + len;
     iov[2].iov_len = (8 - total % 8) % 8;
@@ -18,17 +20,26 @@ static int journal(Front *f, const void *record, size_t size, const char *name, 
     ssize_t n;
     while ((n = writev(f->journal_fd, iov, 3)) < 0 && errno == EINTR) {
     }
-    if (n != (ssize_t)total) /* a full disk: Python answers it, and knows why */
+    if (n != (ssize_t)total) {
+        /* A full disk: what was written of it goes (the next record must follow
+         * the last whole one), the loop creates no more, and Python answers
+         * the request (and says why). */
+        if (n > 0 && ftruncate(f->journal_fd, (off_t)f->journaled) < 0)
+            f->broken = 1; /* (Python finds a record cut short, and stops the loop) */
+        f->creates = 0;
         return -1;
+    }
     f->journaled += total;
     return 0;
 }
 
-static void dir_times(Dir *d, int64_t now) {
+void dir_times(Dir *d, int64_t now) {
     /* as Python will store them: mtime from the nanoseconds, ctime from their
-     * float seconds (aifs.posix.inodes: int(ctime * 1e9)) */
+     * float seconds (aifs.posix.inodes: int(ctime * 1e9)); atime follows mtime
+     * (a directory made here has none of its own) */
     int64_t ctime_ns = (int64_t)(((double)now / 1e9) * 1e9);
-    d->attr.mtime = (uint64_t)(now / 1000000000), d->attr.mtimensec = now % 1000000000;
+    d->attr.atime = d->attr.mtime = (uint64_t)(now / 1000000000);
+    d->attr.atimensec = d->attr.mtimensec = now % 1000000000;
     d->attr.ctime = (uint64_t)(ctime_ns / 1000000000), d->attr.ctimensec = ctime_ns % 1000000000;
 }
 
@@ -41,7 +52,8 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
     if (namelen == len - sizeof *c || !namelen || namelen > NAME_MAX_BYTES ||
         namelen > d->key_room || (name[0] == '.' && (namelen == 1 || (namelen == 2 && name[1] == '.'))))
         return 0;
-    if ((c->flags & O_ACCMODE) == O_RDONLY || in->uid != 0 || !f->creates || !f->inos_len ||
+    if ((c->flags & O_ACCMODE) == O_RDONLY || in->uid != 0 || !f->creates || f->no_backing ||
+        !f->inos_len ||
         f->next_fh >= f->end_fh || f->fhs_count * 2 + 2 > f->fhs_cap || name_has(d, name, namelen))
         return 0; /* Python's: a reader, a user whose writes must clear set-ID, no room ... */
     uint64_t ino = f->inos[f->inos_len - 1], fh = f->next_fh;
@@ -57,12 +69,17 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
     } map = {fd, 0, 0};
     int backing = ioctl(f->devfd, BACKING_OPEN, &map);
     int64_t now = clock_ns(CLOCK_REALTIME);
+    /* the copy's times are the create's: a copy never written keeps them (as
+     * Python's create stores them), one written moves from them */
+    struct timespec times[2] = {{now / 1000000000, now % 1000000000},
+                                {now / 1000000000, now % 1000000000}};
+    futimens(fd, times);
     uint32_t mode = (c->mode & ~c->umask) & 07777;
     struct j_create j = {0, J_CREATE, in->nodeid, ino, fh, (uint64_t)now, mode, in->uid,
                          in->gid, in->pid, c->flags, (uint32_t)namelen, backing, fd};
     j.len = (uint32_t)(sizeof j + namelen + (8 - (sizeof j + namelen) % 8) % 8);
     if (backing < 0) { /* passthrough refused: Python answers every create from now */
-        f->creates = 0;
+        f->no_backing = 1;
         close(fd);
         unlinkat(f->files_fd, copy, 0);
         return 0;
@@ -115,10 +132,10 @@ static int handle(Front *f, const struct in_header *in, uint32_t kind, const cha
         return 0;
     struct j_handle j = {sizeof j, kind, f->fh_inos[slot - f->fhs], fh, in->pid, 0};
     memcpy(&j.flags, body + 8, 4);
+    if (kind == J_RELEASE) /* (Python's, if it cannot be journaled) */
+        fh_remove(f, slot);
     if (journal(f, &j, sizeof j, NULL, 0) < 0)
         return 0;
-    if (kind == J_RELEASE)
-        fh_remove(f, slot);
     answer(f, in->unique, 0, NULL, 0);
     return 1;
 }
@@ -177,16 +194,19 @@ static int answer_locked(Front *f, const char *buf, ssize_t n) {
     return done;
 }
 
-static int answer_here(Front *f, const char *buf, ssize_t n) {
+/* answer_locked under the lock; *tell: TELL_EVERY bytes were journaled since
+ * Python was last told (and it counts as told now) */
+static int answer_here(Front *f, const char *buf, ssize_t n, int *tell) {
     pthread_mutex_lock(&f->lock);
     int done = answer_locked(f, buf, n);
+    if ((*tell = done && f->journaled - f->told >= TELL_EVERY))
+        f->told = f->journaled;
     pthread_mutex_unlock(&f->lock);
     return done;
 }
 
 static void tell_python(Front *f) {
     uint64_t one = 1;
-    f->told = f->journaled;
     while (write(f->efd, &one, sizeof one) < 0 && errno == EINTR) {
     }
 }
@@ -198,11 +218,14 @@ ssize_t read_loop(Front *f, char *buf, size_t len, int64_t spin_ns, int turns,
                          int *answered, int helper) {
     int64_t deadline = clock_ns(CLOCK_MONOTONIC) + spin_ns;
     for (;;) {
+        if (helper && __atomic_load_n(&f->stopping, __ATOMIC_RELAXED))
+            return 0;
         ssize_t n = read(f->devfd, buf, len);
         if (n > 0) {
-            if (!answer_here(f, buf, n))
+            int tell;
+            if (!answer_here(f, buf, n, &tell))
                 return n;
-            if (helper && f->journaled - f->told >= TELL_EVERY)
+            if (helper && tell)
                 tell_python(f);
             if (++*answered >= turns)
                 return 0;
@@ -235,9 +258,13 @@ static void *helper_main(void *arg) {
         for (;;) {
             int answered = 0;
             n = read_loop(f, f->hbuf, f->hbuf_len, f->helper_spin_ns, INT_MAX, &answered, 1);
-            if (n || f->stopping)
+            if (n || __atomic_load_n(&f->stopping, __ATOMIC_RELAXED))
                 break;
-            if (f->journaled != f->told)
+            pthread_mutex_lock(&f->lock); /* idle: Python applies what is left */
+            int tell = f->journaled != f->told;
+            f->told = f->journaled;
+            pthread_mutex_unlock(&f->lock);
+            if (tell)
                 tell_python(f);
             struct pollfd p = {f->devfd, POLLIN, 0};
             poll(&p, 1, 100); /* (and looks at stopping now and then) */

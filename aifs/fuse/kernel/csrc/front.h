@@ -101,6 +101,8 @@ typedef struct {
     uint64_t ttl_s;
     uint32_t ttl_ns, blksize;
     int creates;        /* CREATE may be answered here (passthrough, room on disk) */
+    int no_backing;     /* the kernel refused a backing file: no creates here again */
+    int broken;         /* a record cut short stays in the journal: Python stops it all */
     Dir **dirs;         /* open-addressed by ino; NULL: empty, TOMB: removed */
     size_t dirs_cap, dirs_count;
     uint64_t *inos;     /* inode numbers to give, from Python's pool */
@@ -147,6 +149,7 @@ uint64_t *fh_slot(Front *f, uint64_t fh);
 void fh_remove(Front *f, uint64_t *slot);
 
 /* answers.c */
+void dir_times(Dir *d, int64_t now);
 ssize_t read_loop(Front *f, char *buf, size_t len, int64_t spin_ns, int turns, int *answered,
                   int helper);
 int hand_to_helper(Front *f);
