@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import _make_lake
+from conftest import Mount, _make_lake, open_dir
 
 from aifs.fuse.kernel import protocol as p
 from aifs.posix import adopted
@@ -396,3 +397,51 @@ async def test_a_closed_create_applied_at_once_leaves_what_three_steps_leave(tmp
     finally:
         fs.meta.close()
         fs.local.close()
+
+
+AS_NOBODY = r"""
+import os, sys
+os.setgid(65534); os.setuid(65534)
+with open(sys.argv[1], "wb") as fp:
+    fp.write(b"nobody's")
+"""
+
+
+def test_another_users_create_keeps_the_directory_right(tmp_path, tmpfs) -> None:
+    """A create the loop leaves to Python (not root's) is told to the loop: a
+    lookup of that name, once the kernel forgot it, is not answered absent,
+    and the directory's times are Python's."""
+    lake = _make_lake("local", None, tmp_path)
+    where = open_dir()  # (pytest's tmp_path is root's alone)
+    m = Mount(lake, where / "mnt", tmp_path / "cache", tmp_path / "aifs.log",
+              ["--fuse-binding", "kernel", "--allow-other"])
+    try:
+        check_another_users_create(m, tmpfs)
+    finally:
+        m.unmount()
+        shutil.rmtree(where, ignore_errors=True)
+    assert "creates)" in m.log_text().split("requests served")[-1]
+
+
+def check_another_users_create(m: Mount, tmpfs: Path) -> None:
+    os.chmod(m.path, 0o777)
+    reference = tmpfs / "native-nobody"
+    reference.mkdir()
+    seen = {}
+    for side, root in (("aifs", m.path), ("tmpfs", reference)):
+        d = root / "shared"
+        old_umask = os.umask(0)  # (no chmod: it would take the directory back)
+        try:
+            d.mkdir(mode=0o777)
+        finally:
+            os.umask(old_umask)
+        (d / "first").write_bytes(b"root's")
+        subprocess.run([sys.executable, "-c", AS_NOBODY, str(d / "theirs")], check=True,
+                       timeout=60)
+        (d / "after").write_bytes(b"root's again")
+        before = os.stat(d).st_mtime_ns
+        Path("/proc/sys/vm/drop_caches").write_text("2")  # the kernel forgets the names
+        got = {name: ((d / name).read_bytes(), os.stat(d / name).st_uid)
+               for name in ("first", "theirs", "after")}
+        seen[side] = (got, sorted(os.listdir(d)), os.stat(d).st_mtime_ns == before)
+    assert seen["aifs"] == seen["tmpfs"]
