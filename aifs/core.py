@@ -26,7 +26,7 @@ from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.store import Inode, MetaStore
 from aifs.metrics import Metrics
-from aifs.pack.compaction import Compactor, Upkeep
+from aifs.pack.compaction import Compactor
 from aifs.posix.adopted import JOURNAL, Adopted
 from aifs.posix.control import Control
 from aifs.posix.direct import Direct
@@ -147,9 +147,6 @@ class Filesystem:
 
     def attributes(self, inode: Inode) -> Attributes:
         return self.inodes.attributes(inode)
-
-    def is_open(self, ino: int) -> bool:
-        return self.inodes.is_open(ino)
 
     def save_dir_times(self) -> None:
         self.inodes.save_dir_times()
@@ -295,9 +292,6 @@ class Filesystem:
 
     async def warm(self, ino: int, files_at_once: int = 32) -> dict[str, int]:
         return await self.control.warm(ino, files_at_once)
-
-    async def pack_tree(self, ino: int) -> Upkeep:
-        return await self.control.pack_tree(ino)
 
     def pin(self, ino: int, on: bool) -> None:
         self.control.pin(ino, on)

@@ -355,6 +355,7 @@ async def test_a_closed_create_applied_at_once_leaves_what_three_steps_leave(tmp
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             d = await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+            counted = [dataclasses.asdict(fs.inodes.counters)]
             fh, three = await fs.create(d.ino, b"three", 0o640, os.O_WRONLY | os.O_CREAT, 0, 0)
             await fs.direct_backing(fh, False, os.getpid())
             os.pwrite(fs.local.fd(three.ino), data, 0)
@@ -362,12 +363,17 @@ async def test_a_closed_create_applied_at_once_leaves_what_three_steps_leave(tmp
             await fs.flush(fh)
             fs.direct_released(fh)
             fs.release(fh)
+            counted.append(dataclasses.asdict(fs.inodes.counters))
 
             (ino,), first_fh = fs.adopted.reserve(1, 1)
             fd = os.open(fs.local.path(ino), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.pwrite(fd, data, 0)
             fs.adopted.create_closed(adopted.Created(d.ino, ino, first_fh, 1_800_000_000 * 10**9,
                                                      0o640, 0, 0, os.getpid(), 7, fd, b"once"))
+            counted.append(dataclasses.asdict(fs.inodes.counters))
+            # (status and metrics count the same: bytes written, direct opens)
+            assert {k: counted[1][k] - counted[0][k] for k in counted[0]} \
+                == {k: counted[2][k] - counted[1][k] for k in counted[0]}
             once = fs.meta.lookup(d.ino, b"once")
             three = fs.meta.lookup(d.ino, b"three")
             assert once is not None and three is not None

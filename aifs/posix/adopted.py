@@ -125,7 +125,9 @@ class Adopted:
                                             fd=record.fd, closed=(st.st_size, st.st_mtime_ns))
         checkpoints = self.checkpoints
         checkpoints.closed(inode.ino, inode)
-        self.inodes.counters.direct_opens += 1
+        counters = self.inodes.counters
+        counters.direct_opens += 1
+        counters.write_bytes += st.st_size  # (what its writes would have been counted)
         urgent = checkpoints.is_unfinished_marker(inode)
         self.promoter.schedule(inode.ino, 0.0 if urgent else None,
                                sooner=checkpoints.is_marker(inode))
