@@ -259,3 +259,29 @@ async def test_local_lake_completes_an_upload_under_another_mount_or_a_group_dir
         assert await store.list_uploads("") == []
     finally:
         subprocess.run(["umount", str(root / "mounted")], check=True)
+
+
+async def test_local_lake_deletes_a_marker_another_delete_is_deleting(tmp_path,
+                                                                      monkeypatch) -> None:
+    """Two deletes of one directory marker at once (the delete round, and a
+    rename clearing its way: seen in CI's fsx as EIO) must both succeed: the
+    second finds an attribute the first removed between its listing of them
+    and its removal. Simulated here by removing them inside that window."""
+    from aifs.lake import local
+
+    store = local.LocalStore(str(tmp_path / "lake"))
+    await store.put("d/", b"")
+    await store.put("d/child", b"kept")
+    real_listxattr = os.listxattr
+
+    def listed_then_removed_by_the_other(path: str) -> list[str]:
+        names = real_listxattr(path)
+        for name in names:  # the other delete, between the listing and the removal
+            os.removexattr(path, name)
+        return names
+
+    monkeypatch.setattr(local.os, "listxattr", listed_then_removed_by_the_other)
+    await store.delete_many(["d/"])
+    monkeypatch.undo()
+    assert await store.get_range("d/child", 0, 4) == b"kept"
+    assert [o.key for o in (await store.list_page("d/", None)).objects] == ["d/child"]

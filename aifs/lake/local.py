@@ -89,10 +89,16 @@ def _etag(st: os.stat_result) -> str:
 
 
 def _drop_marker(path: str) -> None:
-    """A deleted marker leaves an implicit directory (while it has children)."""
+    """A deleted marker leaves an implicit directory (while it has children).
+    Another delete of it at the same moment (the delete round, a rename
+    clearing its way) may remove an attribute first: gone is what both want."""
     for name in os.listxattr(path):
         if name == MARKER_XATTR or name.startswith(META_XATTR):
-            os.removexattr(path, name)
+            try:
+                os.removexattr(path, name)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
 
 
 class LocalStore(ObjectStore):
