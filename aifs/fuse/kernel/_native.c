@@ -364,7 +364,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!m)
         return NULL;
     Py_INCREF(&FrontType);
-    if (PyModule_AddObject(m, "Front", (PyObject *)&FrontType) < 0) {
+    if (PyModule_AddIntConstant(m, "TURNS", TURNS) < 0 ||
+        PyModule_AddObject(m, "Front", (PyObject *)&FrontType) < 0) {
         Py_DECREF(&FrontType);
         Py_DECREF(m);
         return NULL;

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import sys
 import time
 
 import trio
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 #: requests that change the directory they name (a name in it, its attributes)
 CHANGES_DIR = frozenset({p.SETATTR, p.MKNOD, p.MKDIR, p.UNLINK, p.RMDIR, p.SYMLINK,
                          p.RENAME, p.RENAME2, p.LINK, p.CREATE, p.SETXATTR, p.REMOVEXATTR})
-TURNS = 64  # _native.c's: requests it answers in a row before Python's turn
 POOL_LOW = 256  # inode numbers or handles left to the loop before more are reserved
 POOL_INOS = 1024
 POOL_HANDLES = 4096
@@ -78,7 +78,7 @@ class Native:
         self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
         self.creates = 0  # creates the loop answered
         self.broken = False
-        self.turns = TURNS
+        self.turns = sys.modules[front_type.__module__].TURNS  # answered in a row, at most
         ops.made_dir = self.hand_over
 
     def counts(self) -> memoryview:
@@ -123,7 +123,8 @@ class Native:
         end = self.front.journaled()
         data = os.pread(self.journal_fd, end - self.applied, self.applied)
         done, used = records(data)
-        if used < len(data) or self.front.state()["broken"]:
+        state = self.front.state()
+        if used < len(data) or state["broken"]:
             self._broken()
         fs = self.fs
         # A file created, written and closed before any of it was applied (the
@@ -156,7 +157,7 @@ class Native:
         self.applied += used
         if self.front.journal_applied(self.applied):  # all of it, and no more came
             self.applied = 0
-        self._refill()
+        self._refill(state)
 
     def _broken(self) -> None:
         """A record cut short (a full disk the journal could not be cut back
@@ -167,8 +168,10 @@ class Native:
         self.front.set_creates(False)
         self.take_back_all()
 
-    def _refill(self) -> None:
-        state = self.front.state()
+    def _refill(self, state: dict[str, int] | None = None) -> None:
+        """Fill the loop's pools where low (``state``: its state, if just read;
+        what the loop took since only makes them lower)."""
+        state = state or self.front.state()
         inos = POOL_INOS if state["inos"] < POOL_LOW else 0
         handles = POOL_HANDLES if state["fhs"] < POOL_LOW else 0
         if inos or handles:
