@@ -752,3 +752,52 @@ async def test_a_rename_onto_a_name_whose_old_object_is_still_in_the_lake(tmp_pa
     await _sync(fs)
     expected = {"y": old, "x/a": inner} if what == "directory" else {"y/a": inner, "x": old}
     assert _lake_files(tmp_path) == expected
+
+
+class LandedPutHeldStore(FirstPutHeldStore):
+    """The first PUT of ``"a"`` is in the lake, its reply held until
+    ``first_go`` is set (``before=True``: held before it reaches the lake)."""
+
+    before = False
+
+    async def put(self, key, data, metadata=None):
+        if key != "a" or self.puts_of_a or self.before:
+            return await super().put(key, data, metadata)
+        self.puts_of_a += 1
+        info = await LocalStore.put(self, key, data, metadata)
+        self.entered.set()
+        await self.first_go.wait()
+        return info
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "on-the-way"])
+async def test_a_directory_renamed_onto_a_name_whose_upload_is_landing(tmp_path, nursery,
+                                                                       landed):
+    """In a local lake: a file's PUT is on the way (or in the lake, its reply
+    not yet handled) when the file is renamed away, and a directory is renamed
+    onto its old name. The rename must not fail (it did, with EIO "File
+    exists", in a CI run of fsx: the stale object had no tombstone yet, so
+    nothing cleared the way): it waits for the stale PUT, whose object then
+    goes, and every file is in the lake under its new name."""
+    fs = _started(tmp_path, nursery, LandedPutHeldStore, pack_threshold=0)
+    store = fs.gate
+    store.before = not landed
+    old, inner = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    d = await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
+    fh, _ = await fs.create(d.ino, b"x", 0o644, os.O_WRONLY, 0, 0)
+    await fs.write(fh, 0, inner)
+    fs.release(fh)
+    await _sync(fs)
+    await _write(fs, b"a", old)
+    with trio.fail_after(30):
+        await store.entered.wait()  # the PUT of "a" is held
+    await fs.rename(ROOT_INO, b"a", ROOT_INO, b"moved", 0)
+    async with trio.open_nursery() as inner_nursery:
+        renamed = _rename_soon(fs, inner_nursery, b"d", b"a")
+        with trio.move_on_after(1):
+            await renamed.wait()
+        store.first_go.set()
+        with trio.fail_after(30):
+            await renamed.wait()
+    await _sync(fs)
+    assert _lake_files(tmp_path) == {"moved": old, "a/x": inner}

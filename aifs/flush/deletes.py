@@ -134,9 +134,7 @@ class Deletes:
         ``a`` for a directory ``a/``) or, for a file, below it, where they
         may go now. Else a rename onto a name a file had
         just left failed until the next delete round ran."""
-        parts = key.rstrip("/").split("/")
-        # (point lookups and one range: a rename must not read every tombstone)
-        way = ["/".join(parts[:n]) for n in range(1, len(parts) + key.endswith("/"))]
+        way = way_of(key)  # (point lookups and one range: not every tombstone)
         while True:  # (a directory's marker may go once what was under it went)
             tombs = self.meta.tombstones_of(way)
             if not key.endswith("/"):
@@ -145,3 +143,11 @@ class Deletes:
             if not batch:
                 return
             await self._delete(batch)
+
+
+def way_of(key: str) -> list[str]:
+    """The keys that exclude ``key`` in a lake whose keys are paths: its
+    ancestors (``a`` for ``a/b``) and, for a directory ``a/``, the file ``a``
+    (those below a file's key are a range, not a list)."""
+    parts = key.rstrip("/").split("/")
+    return ["/".join(parts[:n]) for n in range(1, len(parts) + key.endswith("/"))]

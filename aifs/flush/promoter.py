@@ -31,7 +31,7 @@ import trio
 from aifs.cache.files import LocalFiles
 from aifs.config import Config
 from aifs.errors import Failure, LakeError, lake_error_in
-from aifs.flush.deletes import Deletes
+from aifs.flush.deletes import Deletes, way_of
 from aifs.flush.host import PromotionHost
 from aifs.flush.pacing import Pacer
 from aifs.flush.stats import PromoteStats
@@ -414,6 +414,17 @@ class Promoter:
         """Until no upload to ``key`` (``below``: or under it) is on the way."""
         while self.landing_at(key, below):
             await self.wait_progress()
+
+    async def clear_way(self, key: str) -> None:
+        """Before a rename copies to ``key`` in a lake whose keys are paths:
+        the stale uploads in its way land first (a file renamed away while
+        its PUT ran: its object gets its tombstone only with the reply), then
+        the tombstoned objects there go (:meth:`Deletes.clear_way`)."""
+        for name in way_of(key):
+            await self.wait_landed(name)
+        if not key.endswith("/"):
+            await self.wait_landed(key + "/", below=True)
+        await self.deletes.clear_way(key)
 
     def landing(self, key: str) -> bool:
         """Whether an upload to ``key`` may be in the lake already, its reply

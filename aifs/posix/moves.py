@@ -81,7 +81,7 @@ class Moves:
         """Copy what the lake holds of ``source`` to ``new_key`` (server side);
         return the old keys to delete and the ETags of the copies."""
         if self.store.keys_nest:
-            await self.promoter.deletes.clear_way(new_key)
+            await self.promoter.clear_way(new_key)
         if not source.is_dir:
             if not source.in_lake:
                 return [], {}
