@@ -95,7 +95,8 @@ class Filesystem:
                       self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,
                                    store, meta, self.packer, self.promoter, self.checkpoints)
-        self.adopted = Adopted(inodes, self.namespace, self.checkpoints, self.promoter)
+        self.adopted = Adopted(inodes, self.namespace, self.open_files, self.checkpoints,
+                               self.promoter)
         self.control = Control(inodes, config, meta, cache, self.fetcher, self.reads,
                                self.listings, self.hosting, self.promoter, self.compactor,
                                self.checkpoints, self.object_attrs, self.dir_prefetch,

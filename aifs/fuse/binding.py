@@ -132,6 +132,13 @@ class KernelBinding:
                                poll=self.config.fuse_poll_us / 1e6,
                                transport=self.config.fuse_transport,
                                native=self.config.fuse_native)
+        if self.session.native is not None:
+            native, notify = self.session.native, self.notifier.changed
+
+            def changed(parent: int, names: list[bytes], replaced: list[int]) -> None:
+                native.lake_changed(parent, names, replaced)  # what the C loop holds goes back
+                notify(parent, names, replaced)
+            self.fs.on_lake_changes(changed)
         self.fs.count_requests(self.session.served)  # promotion yields to them
 
     async def serve(self) -> None:

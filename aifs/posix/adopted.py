@@ -1,8 +1,9 @@
-"""Creates, flushes and releases answered before the core heard of them.
+"""Creates, opens, flushes and releases answered before the core heard of them.
 
 The kernel binding's C loop (``aifs/fuse/kernel/_native.c``) answers the
-create of a new file in a directory handed over to it, and the flush and
-release of the handle that create opened. It appends each to a journal file
+create of a new file in a directory handed over to it, the read-only open
+of a closed file handed over to it, and the flush and release of the
+handles those opened. It appends each to a journal file
 (``native-journal`` in the cache directory) before it answers, so a close
 the program saw return is on disk as the metadata would be. The binding
 applies the records to the core before it answers any other request
@@ -17,6 +18,8 @@ Records, little endian, each padded to 8 bytes (``_native.c`` writes them):
 - CREATE: u32 length, u32 kind (1), u64 parent, ino, fh, time_ns, u32 mode,
   uid, gid, pid, flags, name length, i32 backing id, local copy's fd; the name
 - FLUSH (2) and RELEASE (3): u32 length, u32 kind, u64 ino, fh, u32 pid, flags
+- OPEN (4), for reading: as FLUSH, then i32 backing id, u32 padding (nothing to
+  replay: a read-only open leaves nothing on disk)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pathlib import Path
 from aifs.checkpoint import Checkpoints
 from aifs.errors import FsError
 from aifs.flush.promoter import Promoter
+from aifs.meta.store import Inode
+from aifs.posix.files import Files
 from aifs.posix.inodes import Inodes
 from aifs.posix.namespace import Namespace
 
@@ -40,7 +45,8 @@ JOURNAL = "native-journal"
 HEAD = struct.Struct("<II")
 CREATE = struct.Struct("<IIQQQQIIIIIIii")
 HANDLE = struct.Struct("<IIQQII")
-CREATED, FLUSHED, RELEASED = 1, 2, 3
+OPEN = struct.Struct("<IIQQIIiI")
+CREATED, FLUSHED, RELEASED, OPENED = 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +66,11 @@ class Created:
 
 @dataclass(frozen=True, slots=True)
 class Handled:
-    kind: int  # FLUSHED or RELEASED
+    kind: int  # FLUSHED, RELEASED or OPENED
     ino: int
     fh: int
     pid: int
+    backing: int = 0  # (OPENED: the backing id its reads go to)
 
 
 Record = Created | Handled
@@ -83,6 +90,9 @@ def records(data: bytes | memoryview) -> tuple[list[Record], int]:
              fd) = CREATE.unpack_from(data, at)
             name = bytes(data[at + CREATE.size:at + CREATE.size + namelen])
             out.append(Created(parent, ino, fh, time_ns, mode, uid, gid, pid, backing, fd, name))
+        elif kind == OPENED and length >= OPEN.size:
+            _, _, ino, fh, pid, _flags, backing, _ = OPEN.unpack_from(data, at)
+            out.append(Handled(kind, ino, fh, pid, backing))
         elif kind in (FLUSHED, RELEASED) and length >= HANDLE.size:
             _, _, ino, fh, pid, _flags = HANDLE.unpack_from(data, at)
             out.append(Handled(kind, ino, fh, pid))
@@ -93,10 +103,11 @@ def records(data: bytes | memoryview) -> tuple[list[Record], int]:
 
 
 class Adopted:
-    def __init__(self, inodes: Inodes, namespace: Namespace, checkpoints: Checkpoints,
-                 promoter: Promoter) -> None:
+    def __init__(self, inodes: Inodes, namespace: Namespace, files: Files,
+                 checkpoints: Checkpoints, promoter: Promoter) -> None:
         self.inodes = inodes
         self.namespace = namespace
+        self.files = files
         self.checkpoints = checkpoints
         self.promoter = promoter
         self.meta = inodes.meta
@@ -113,7 +124,7 @@ class Adopted:
                                     record.gid, record.ino, record.time_ns, record.fh,
                                     record.fd)
 
-    def create_closed(self, record: Created) -> None:
+    def create_closed(self, record: Created) -> Inode:
         """A create whose flush and release the loop answered too before any of
         them was applied: the file as its close leaves it (size and mtime from
         its copy), in one metadata transaction, without the handle that is gone;
@@ -131,6 +142,25 @@ class Adopted:
         urgent = checkpoints.is_unfinished_marker(inode)
         self.promoter.schedule(inode.ino, 0.0 if urgent else None,
                                sooner=checkpoints.is_marker(inode))
+        return inode
+
+    def open(self, record: Handled) -> None:
+        """A read-only open the loop answered (passthrough to the local copy:
+        the binding registers its backing id and calls ``went_direct``)."""
+        self.files.adopt_open(record.ino, record.fh)
+
+    def open_closed(self, record: Handled) -> bool:
+        """An open whose release the loop answered too before either was
+        applied: what the two leave (the kernel's pages are of this version,
+        one more direct open). False where the release has more to do (the
+        file was unlinked, or its copy is stale): the two are applied whole."""
+        inodes = self.inodes
+        inode = self.meta.get(record.ino)
+        if inode is None or inode.orphan or record.ino in inodes.stale_local:
+            return False
+        inodes.kernel_etag[record.ino] = inode.etag
+        inodes.counters.direct_opens += 1
+        return True
 
     def replay(self, path: Path) -> int:
         """At mount, before recovery: apply what the journal at ``path`` holds

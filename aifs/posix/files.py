@@ -71,6 +71,16 @@ class Files:
                 self.maybe_stream(inode)
         return fh, keep_cache
 
+    def adopt_open(self, ino: int, fh: int) -> None:
+        """A read-only open answered outside the core as handle ``fh`` (the
+        kernel binding's C loop, of a file whose bytes are all local: nothing
+        to fetch or truncate) is one of the core's handles now."""
+        inode = self.inodes.get(ino)
+        self.inodes.kernel_etag[ino] = inode.etag
+        fh = self.open_handle(inode, False, fh)
+        if self.config.dir_prefetch:
+            self.dir_prefetch.opened(inode, self.inodes.files[fh].version)
+
     def writes_direct(self, flags: int) -> bool:
         """Whether a handle opened with ``flags`` has its writes passed to the
         daemon as they come, past the kernel's page cache (FOPEN_DIRECT_IO):

@@ -21,7 +21,13 @@
  *             (files/<ino>, inode numbers and handles from pools Python
  *             fills), registered as the open's backing file (passthrough)
  *   FLUSH, RELEASE of the handles such creates opened
- * Each CREATE, FLUSH and RELEASE answered here is first appended to the
+ *
+ * Answered for a file Python handed over (delegate_file(): closed, its bytes
+ * all in its local copy, until its directory's TTL ends):
+ *   GETATTR   its attributes
+ *   OPEN      for reading: passthrough to its local copy
+ *   RELEASE   of the handles such opens opened
+ * Each CREATE, OPEN, FLUSH and RELEASE answered here is first appended to the
  * journal file (a killed daemon loses none: the next mount applies what is
  * left); Python applies the journal to its own state before it answers any
  * other request or runs anything else (journaled() tells it how far).
@@ -182,6 +188,40 @@ static PyObject *front_delegate_locked(Front *f, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *front_delegate_file_locked(Front *f, PyObject *args) {
+    unsigned long long ino;
+    Py_buffer attr;
+    long long ttl_left_ns;
+    if (!PyArg_ParseTuple(args, "Ky*L", &ino, &attr, &ttl_left_ns))
+        return NULL;
+    if (attr.len != sizeof(struct attr)) {
+        PyBuffer_Release(&attr);
+        PyErr_SetString(PyExc_ValueError, "attr: a fuse_attr (88 bytes)");
+        return NULL;
+    }
+    FileEntry *e = file_get(f, ino);
+    if (e && e->count) { /* (opened here, and its backing id still in use) */
+        PyBuffer_Release(&attr);
+        PyErr_SetString(PyExc_ValueError, "a file the loop holds open");
+        return NULL;
+    }
+    if (!e && !(e = file_add(f, ino))) {
+        PyBuffer_Release(&attr);
+        return PyErr_NoMemory();
+    }
+    memcpy(&e->attr, attr.buf, sizeof e->attr);
+    PyBuffer_Release(&attr);
+    e->until_ns = clock_ns(CLOCK_MONOTONIC) + ttl_left_ns;
+    Py_RETURN_NONE;
+}
+
+static PyObject *front_recall_file_locked(Front *f, PyObject *args) {
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    return PyBool_FromLong(file_remove(f, ino));
+}
+
 static PyObject *front_give_locked(Front *f, PyObject *args) {
     PyObject *inos;
     unsigned long long first_fh, end_fh;
@@ -248,7 +288,8 @@ static PyObject *front_set_creates_locked(Front *f, PyObject *args) {
 }
 
 static PyObject *front_state_locked(Front *f, PyObject *unused) {
-    return Py_BuildValue("{s:n,s:n,s:K,s:n,s:i,s:i}", "dirs", (Py_ssize_t)f->dirs_count,
+    return Py_BuildValue("{s:n,s:n,s:n,s:K,s:n,s:i,s:i}", "dirs", (Py_ssize_t)f->dirs_count,
+                         "files", (Py_ssize_t)f->files_count,
                          "inos", (Py_ssize_t)f->inos_len, "fhs",
                          (unsigned long long)(f->end_fh - f->next_fh), "open",
                          (Py_ssize_t)f->fhs_count, "creates", f->creates && !f->no_backing,
@@ -267,6 +308,8 @@ LOCKED(front_journaled)
 LOCKED(front_journal_applied)
 LOCKED(front_recall)
 LOCKED(front_delegate)
+LOCKED(front_delegate_file)
+LOCKED(front_recall_file)
 LOCKED(front_give)
 LOCKED(front_set_creates)
 LOCKED(front_add_name)
@@ -303,6 +346,8 @@ static void front_dealloc(Front *f) {
     free(f->inos);
     free(f->fhs);
     free(f->fh_inos);
+    free(f->file_inos);
+    free(f->file_vals);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
 
@@ -331,6 +376,12 @@ static PyMethodDef front_methods[] = {
      "(attr: its fuse_attr; names: every name in it)"},
     {"recall", (PyCFunction)front_recall, METH_VARARGS,
      "recall(ino) -> whether directory ino was handed over (it is not now)"},
+    {"delegate_file", (PyCFunction)front_delegate_file, METH_VARARGS,
+     "delegate_file(ino, attr, ttl_left_ns): hand over file ino, closed and wholly in "
+     "its local copy (attr: its fuse_attr), until ttl_left_ns from now"},
+    {"recall_file", (PyCFunction)front_recall_file, METH_VARARGS,
+     "recall_file(ino) -> whether file ino was handed over (it is not now; the loop's "
+     "handles of it stay the loop's)"},
     {"give", (PyCFunction)front_give, METH_VARARGS,
      "give(inos, first_fh, end_fh) -> (inode numbers, handles) left to give: add inode "
      "numbers; handles from first_fh up to end_fh (replacing what is left, if any)"},

@@ -23,10 +23,19 @@ attributes, or moves a directory (the lake keys below change length, which
 the loop checks names against); a create the loop leaves to Python keeps it
 (the loop is told the name). Those past their TTL are dropped.
 
+A file the loop created is handed over once it is closed, while its
+directory is: the loop answers its GETATTR, its opens for reading
+(passthrough to the local copy, journaled) and their releases, the three
+requests a program reading what it just wrote sends. No other node's
+version can reach the core before the directory's listing TTL ends (a
+refresh that finds one takes it back anyway). It is taken back before
+Python answers any request that names it, or links it, and with its
+directory.
+
 The loop leaves to Python what Python would answer otherwise than it can: a
 create by a user other than root (whose writes must clear set-user-ID, so
 not direct), for reading, of a name it holds, with no passthrough or no room
-for a direct writer.
+for a direct writer; an open for writing or truncating.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel.operations import Operations
 from aifs.fuse.kernel.passthrough import Passthrough
 from aifs.meta.store import Inode
-from aifs.posix.adopted import FLUSHED, JOURNAL, RELEASED, Created, Handled, records
+from aifs.posix.adopted import FLUSHED, JOURNAL, OPENED, RELEASED, Created, Handled, records
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +83,11 @@ class Native:
         #: directories handed over -> when their listing's TTL ends (monotonic,
         #: so in order): those past it are dropped on both sides as more come
         self.delegated: dict[int, float] = {}
+        #: files handed over -> their directory, and each directory's files
+        self.files: dict[int, int] = {}
+        self.dir_files: dict[int, set[int]] = {}
         self.applied = 0  # journal bytes applied
         self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
-        self.creates = 0  # creates the loop answered
         self.broken = False
         self.turns = sys.modules[front_type.__module__].TURNS  # answered in a row, at most
         ops.made_dir = self.hand_over
@@ -130,27 +141,44 @@ class Native:
         # A file created, written and closed before any of it was applied (the
         # common case: small files come and go between two applies) is applied
         # as its close leaves it, at a fraction of the cost of three steps.
+        # So is a read-only open released before it was applied.
         released = {r.fh for r in done if isinstance(r, Handled) and r.kind == RELEASED}
         closed = {r.fh for r in done if isinstance(r, Created) and r.fh in released}
+        passthrough = self.passthrough
+        reads_closed: set[int] = set()  # (read-only opens applied with their release)
         for record in done:
             try:
                 if record.fh in closed:
                     if isinstance(record, Created):
-                        fs.adopted.create_closed(record)
-                        self.passthrough.drop(record.backing)
-                        self.creates += 1
+                        inode = fs.adopted.create_closed(record)
+                        passthrough.drop(record.backing)
+                        self._hand_over_file(inode)
+                elif record.fh in reads_closed:
+                    if record.kind == RELEASED:  # (the open's: its backing id's count)
+                        passthrough.closed(record.ino)
                 elif isinstance(record, Created):
                     fs.adopted.create(record)
                     self.passthrough.adopt(record.ino, record.fh, record.backing)
                     # (what it wrote since is taken at its flush: seen as made)
                     fs.direct.went_direct(record.fh, record.pid, (0, record.time_ns))
-                    self.creates += 1
+                elif record.kind == OPENED:
+                    if record.fh in released and fs.adopted.open_closed(record):
+                        reads_closed.add(record.fh)
+                        passthrough.adopt(record.ino, 0, record.backing)
+                        continue
+                    fs.adopted.open(record)
+                    passthrough.adopt(record.ino, record.fh, record.backing)
+                    fs.direct.went_direct(record.fh, record.pid)
                 elif record.kind == FLUSHED:
                     fs.absorb(record.ino)
                     await fs.flush(record.fh)
                 else:
-                    self.passthrough.released(record.fh)
+                    passthrough.released(record.fh)
                     fs.release(record.fh)
+                    if record.ino not in self.files and record.ino not in fs.inodes.opens:
+                        inode = fs.meta.get(record.ino)  # (a create's file, closed now)
+                        if inode is not None:
+                            self._hand_over_file(inode)
             except Exception:  # the program was answered: keep going with the rest
                 log.exception("applying %s of inode %d answered by the C loop", record,
                               record.ino)
@@ -197,9 +225,46 @@ class Native:
         self.front.delegate(directory.ino, attr, max(room, 0), self.ttl_ns, [])
         self.delegated[directory.ino] = now + self.ttl_ns / 1e9
 
+    # -- files ------------------------------------------------------------------------
+    def _hand_over_file(self, inode: Inode) -> None:
+        """A file the loop created was closed: the loop may answer its GETATTR,
+        its opens for reading and their releases, while its directory is
+        handed over (the same listing: no other node's version can come
+        before that TTL ends). Not one that streams (its upload may set
+        its mtime) nor one whose copy is gone."""
+        parent = inode.parent
+        until = self.delegated.get(parent)
+        if (until is None or inode.orphan or inode.size >= self.fs.config.multipart_threshold
+                or not self.fs.local.has(inode.ino)):
+            return
+        attr = self.ops.attr(self.ops.attributes(inode))
+        self.front.delegate_file(inode.ino, attr, int((until - time.monotonic()) * 1e9))
+        self.files[inode.ino] = parent
+        self.dir_files.setdefault(parent, set()).add(inode.ino)
+
+    def take_back_file(self, ino: int) -> None:
+        parent = self.files.pop(ino, None)
+        if parent is not None:
+            self.front.recall_file(ino)
+            files = self.dir_files.get(parent)
+            if files is not None:
+                files.discard(ino)
+
+    def lake_changed(self, parent: int, names: list[bytes], replaced: list[int]) -> None:
+        """A listing refresh found another node's changes (before it tells the
+        kernel): what the loop holds there goes back."""
+        self.take_back(parent)
+        for ino in replaced:
+            self.take_back_file(ino)
+
     def before(self, opcode: int, nodeid: int, body: memoryview) -> None:
-        """Python answers this request: take back the directories it changes
-        (a create the loop left to Python keeps its directory: :meth:`created`)."""
+        """Python answers this request: take back the files it names and the
+        directories it changes (a create the loop left to Python keeps its
+        directory: :meth:`created`)."""
+        if self.files:
+            self.take_back_file(nodeid)
+            if opcode == p.LINK:
+                self.take_back_file(p.LINK_IN.unpack_from(body)[0])
         if opcode not in CHANGES_DIR or not self.delegated or opcode == p.CREATE:
             return
         if opcode in (p.RENAME, p.RENAME2):
@@ -230,8 +295,12 @@ class Native:
                 self.take_back(nodeid)
 
     def take_back(self, ino: int) -> None:
+        """Directory ``ino``, and the files in it."""
         if self.delegated.pop(ino, None) is not None:
             self.front.recall(ino)
+        for file in self.dir_files.pop(ino, ()):
+            if self.files.pop(file, None) is not None:
+                self.front.recall_file(file)
 
     def take_back_all(self) -> None:
         for ino in list(self.delegated):

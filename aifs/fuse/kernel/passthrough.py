@@ -57,10 +57,20 @@ class Passthrough:
 
     def adopt(self, ino: int, fh: int, backing: int) -> None:
         """Handle ``fh`` of ``ino`` went direct on ``backing``, registered by
-        the C read loop (``native.py``) for a create it answered."""
+        the C read loop (``native.py``) for a create or open it answered
+        (``fh`` 0: one released before this was applied; :meth:`closed`)."""
         entry = self.ids.setdefault(ino, [backing, 0])
         entry[1] += 1
-        self.handles[fh] = ino
+        if fh:
+            self.handles[fh] = ino
+
+    def closed(self, ino: int) -> None:
+        """A handle adopted as 0 is released."""
+        entry = self.ids[ino]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.ids[ino]
+            self.drop(entry[0])
 
     def drop(self, backing: int) -> None:
         """Close a backing id no handle of this session holds any more."""
@@ -77,8 +87,4 @@ class Passthrough:
                 self.fs.direct_released(fh, direct=False)
             return
         self.fs.direct_released(fh)
-        entry = self.ids[ino]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.ids[ino]
-            self.drop(entry[0])
+        self.closed(ino)

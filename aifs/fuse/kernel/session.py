@@ -144,11 +144,13 @@ class Session:
         served = ", ".join(f"{p.NAMES.get(op, op)} {n}"
                            + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
                            for op, n in self.all_counts().most_common())
-        native = sum(self.native.counts()) if self.native is not None else 0
-        if native:
-            served += f"; {native} of them answered by the C loop"
-            if self.native.creates:
-                served += f" ({self.native.creates} creates)"
+        counts = self.native.counts() if self.native is not None else None
+        if counts is not None and sum(counts):
+            served += f"; {sum(counts)} of them answered by the C loop"
+            made = [f"{n} {what}" for n, what in ((counts[p.CREATE], "creates"),
+                                                  (counts[p.OPEN], "opens")) if n]
+            if made:
+                served += f" ({', '.join(made)})"
         if self.rings is not None and self.rings.threads:
             served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
         return served

@@ -119,6 +119,53 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
     return 1;
 }
 
+/* OPEN for reading of a file handed over: passthrough to its local copy, one
+ * backing id for all the loop's opens of it at a time (the kernel's rule),
+ * registered at the first; Python closes it at the last release it applies. */
+static int open_file(Front *f, const struct in_header *in, const char *body, size_t len) {
+    FileEntry *e;
+    if (len < sizeof(struct open_in) || !f->files_count || !(e = file_get(f, in->nodeid)))
+        return 0;
+    const struct open_in *o = (const void *)body;
+    if ((o->flags & O_ACCMODE) != O_RDONLY || o->flags & O_TRUNC || f->no_backing ||
+        f->next_fh >= f->end_fh || f->fhs_count * 2 + 2 > f->fhs_cap ||
+        clock_ns(CLOCK_MONOTONIC) >= e->until_ns)
+        return 0; /* Python's: a writer, no handles left, past the TTL ... */
+    int backing = e->backing, registered = 0;
+    if (!e->count) {
+        char copy[32];
+        snprintf(copy, sizeof copy, "%llu", (unsigned long long)in->nodeid);
+        /* read-write, as Python's: its writers may share this backing file */
+        int fd = openat(f->files_fd, copy, O_RDWR | O_CLOEXEC);
+        if (fd < 0)
+            return 0; /* evicted: Python reads it from the lake */
+        struct {
+            int32_t fd;
+            uint32_t flags;
+            uint64_t padding;
+        } map = {fd, 0, 0};
+        backing = ioctl(f->devfd, BACKING_OPEN, &map);
+        close(fd); /* (the kernel holds the file) */
+        if (backing < 0)
+            return 0;
+        registered = 1;
+    }
+    uint64_t fh = f->next_fh;
+    struct j_open j = {sizeof j, J_OPEN, in->nodeid, fh, in->pid, o->flags, backing, 0};
+    if (journal(f, &j, sizeof j, NULL, 0) < 0) {
+        if (registered)
+            ioctl(f->devfd, BACKING_CLOSE, &backing);
+        return 0;
+    }
+    f->next_fh++;
+    uint64_t *slot = fh_slot(f, fh);
+    *slot = fh, f->fh_inos[slot - f->fhs] = in->nodeid, f->fhs_count++;
+    e->backing = backing, e->count++;
+    struct open_out r = {fh, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, backing};
+    answer(f, in->unique, 0, &r, sizeof r);
+    return 1;
+}
+
 static int handle(Front *f, const struct in_header *in, uint32_t kind, const char *body,
                   size_t len) {
     if (len < 16)
@@ -132,8 +179,12 @@ static int handle(Front *f, const struct in_header *in, uint32_t kind, const cha
         return 0;
     struct j_handle j = {sizeof j, kind, f->fh_inos[slot - f->fhs], fh, in->pid, 0};
     memcpy(&j.flags, body + 8, 4);
-    if (kind == J_RELEASE) /* (Python's, if it cannot be journaled) */
+    if (kind == J_RELEASE) { /* (Python's, if it cannot be journaled) */
+        FileEntry *e = file_get(f, j.ino);
+        if (e && e->count && !--e->count)
+            e->backing = -1; /* (Python closes it as it applies this release) */
         fh_remove(f, slot);
+    }
     if (journal(f, &j, sizeof j, NULL, 0) < 0)
         return 0;
     answer(f, in->unique, 0, NULL, 0);
@@ -167,7 +218,19 @@ static int answer_locked(Front *f, const char *buf, ssize_t n) {
     case OP_RELEASE:
         done = handle(f, in, J_RELEASE, body, len);
         break;
+    case OP_OPEN:
+        done = open_file(f, in, body, len);
+        break;
     default:
+        if (in->opcode == OP_GETATTR && f->files_count) {
+            FileEntry *e = file_get(f, in->nodeid);
+            if (e && clock_ns(CLOCK_MONOTONIC) < e->until_ns) {
+                struct attr_out o = {f->ttl_s, f->ttl_ns, 0, e->attr};
+                answer(f, in->unique, 0, &o, sizeof o);
+                done = 1;
+                break;
+            }
+        }
         if (!f->dirs_count || !(d = dir_get(f, in->nodeid)))
             break;
         if (clock_ns(CLOCK_MONOTONIC) >= d->until_ns)

@@ -24,6 +24,7 @@
 
 #define OP_LOOKUP 1
 #define OP_GETATTR 3
+#define OP_OPEN 14
 #define OP_RELEASE 18
 #define OP_GETXATTR 22
 #define OP_FLUSH 25
@@ -39,6 +40,8 @@
 #define J_CREATE 1
 #define J_FLUSH 2
 #define J_RELEASE 3
+#define J_OPEN 4
+#define FOPEN_NOFLUSH (1u << 5)
 
 struct in_header {
     uint32_t len, opcode;
@@ -70,6 +73,9 @@ struct open_out {
     uint32_t open_flags;
     int32_t backing_id;
 };
+struct open_in {
+    uint32_t flags, open_flags;
+};
 struct create_in {
     uint32_t flags, mode, umask, open_flags;
 };
@@ -84,6 +90,20 @@ struct j_handle { /* J_FLUSH, J_RELEASE */
     uint64_t ino, fh;
     uint32_t pid, flags;
 };
+struct j_open { /* J_OPEN: a read-only open of a file handed over */
+    uint32_t len, kind;
+    uint64_t ino, fh;
+    uint32_t pid, flags;
+    int32_t backing;
+    uint32_t padding;
+};
+
+typedef struct { /* a file handed over: closed, its bytes all in its local copy */
+    struct attr attr;
+    int64_t until_ns; /* CLOCK_MONOTONIC: handed back by then (its directory's TTL) */
+    int32_t backing;  /* the backing id of the loop's opens of it, -1 if none open */
+    uint32_t count;   /* the loop's opens of it not yet released */
+} FileEntry;
 
 typedef struct { /* a directory handed over: its names, in an open-addressed set */
     uint64_t ino;
@@ -110,6 +130,9 @@ typedef struct {
     uint64_t next_fh, end_fh; /* handles to give: [next_fh, end_fh) */
     uint64_t *fhs, *fh_inos;  /* handles opened here -> their inode (open-addressed) */
     size_t fhs_cap, fhs_count;
+    uint64_t *file_inos;      /* files handed over (open-addressed, 0: empty) ... */
+    FileEntry *file_vals;     /* ... and what the loop knows of each */
+    size_t files_cap, files_count;
     uint64_t journaled; /* bytes appended to the journal */
     uint64_t told;      /* ... when Python was last told (the event fd) */
     uint64_t counts[OPCODES];
@@ -147,6 +170,9 @@ int name_add(Dir *d, const char *name, size_t len);
 int name_has(Dir *d, const char *name, size_t len);
 uint64_t *fh_slot(Front *f, uint64_t fh);
 void fh_remove(Front *f, uint64_t *slot);
+FileEntry *file_get(Front *f, uint64_t ino);
+FileEntry *file_add(Front *f, uint64_t ino);
+int file_remove(Front *f, uint64_t ino);
 
 /* answers.c */
 void dir_times(Dir *d, int64_t now);

@@ -1,5 +1,6 @@
 /* The C read loop's tables: directories handed over (by inode number), the
- * names in each (an open-addressed set), and the handles its creates opened. */
+ * names in each (an open-addressed set), the files handed over, and the
+ * handles the loop opened. */
 #include "front.h"
 
 Dir native_tomb;
@@ -94,26 +95,83 @@ int name_has(Dir *d, const char *name, size_t len) {
     return d->hashes[name_find(d, name, len, name_hash(name, len))] != 0;
 }
 
-uint64_t *fh_slot(Front *f, uint64_t fh) {
-    size_t mask = f->fhs_cap - 1, i = mix(fh) & mask;
-    while (f->fhs[i] && f->fhs[i] != fh)
+/* Open-addressed tables of u64 keys (0: empty) with a parallel array of
+ * values (size bytes each): the handles opened here (-> their inode) and the
+ * files handed over (-> FileEntry). */
+static size_t key_find(const uint64_t *keys, size_t cap, uint64_t key) {
+    size_t mask = cap - 1, i = mix(key) & mask;
+    while (keys[i] && keys[i] != key)
         i = (i + 1) & mask;
-    return &f->fhs[i];
+    return i;
 }
 
-void fh_remove(Front *f, uint64_t *slot) { /* backward-shift deletion */
-    size_t mask = f->fhs_cap - 1, i = (size_t)(slot - f->fhs), j = i;
-    f->fhs[i] = 0;
-    f->fhs_count--;
+static void key_remove(uint64_t *keys, void *vals, size_t size, size_t cap, size_t i) {
+    size_t mask = cap - 1, j = i; /* backward-shift deletion */
+    char *v = vals;
+    keys[i] = 0;
     for (;;) {
         j = (j + 1) & mask;
-        if (!f->fhs[j])
+        if (!keys[j])
             return;
-        size_t home = mix(f->fhs[j]) & mask;
+        size_t home = mix(keys[j]) & mask;
         if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
-            f->fhs[i] = f->fhs[j], f->fh_inos[i] = f->fh_inos[j];
-            f->fhs[j] = 0;
+            keys[i] = keys[j];
+            memcpy(v + i * size, v + j * size, size);
+            keys[j] = 0;
             i = j;
         }
     }
+}
+
+uint64_t *fh_slot(Front *f, uint64_t fh) { return &f->fhs[key_find(f->fhs, f->fhs_cap, fh)]; }
+
+void fh_remove(Front *f, uint64_t *slot) {
+    key_remove(f->fhs, f->fh_inos, sizeof *f->fh_inos, f->fhs_cap, (size_t)(slot - f->fhs));
+    f->fhs_count--;
+}
+
+FileEntry *file_get(Front *f, uint64_t ino) {
+    if (!f->files_count)
+        return NULL;
+    size_t i = key_find(f->file_inos, f->files_cap, ino);
+    return f->file_inos[i] ? &f->file_vals[i] : NULL;
+}
+
+FileEntry *file_add(Front *f, uint64_t ino) {
+    if ((f->files_count + 1) * 2 > f->files_cap) { /* grow: keep it at most half full */
+        size_t cap = f->files_cap ? f->files_cap * 2 : 1024, old_cap = f->files_cap;
+        uint64_t *keys = calloc(cap, sizeof *keys), *old_keys = f->file_inos;
+        FileEntry *vals = calloc(cap, sizeof *vals), *old_vals = f->file_vals;
+        if (!keys || !vals) {
+            free(keys);
+            free(vals);
+            return NULL;
+        }
+        for (size_t i = 0; i < old_cap; i++)
+            if (old_keys[i]) {
+                size_t j = key_find(keys, cap, old_keys[i]);
+                keys[j] = old_keys[i], vals[j] = old_vals[i];
+            }
+        free(old_keys);
+        free(old_vals);
+        f->file_inos = keys, f->file_vals = vals, f->files_cap = cap;
+    }
+    size_t i = key_find(f->file_inos, f->files_cap, ino);
+    if (!f->file_inos[i])
+        f->files_count++;
+    f->file_inos[i] = ino;
+    memset(&f->file_vals[i], 0, sizeof f->file_vals[i]);
+    f->file_vals[i].backing = -1;
+    return &f->file_vals[i];
+}
+
+int file_remove(Front *f, uint64_t ino) {
+    if (!f->files_count)
+        return 0;
+    size_t i = key_find(f->file_inos, f->files_cap, ino);
+    if (!f->file_inos[i])
+        return 0;
+    key_remove(f->file_inos, f->file_vals, sizeof *f->file_vals, f->files_cap, i);
+    f->files_count--;
+    return 1;
 }
