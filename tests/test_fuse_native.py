@@ -148,7 +148,7 @@ def test_a_file_handed_over_is_answered_until_taken_back(loop, tmp_path) -> None
     Python's."""
     attr = p.ATTR.pack(9, 5, 1, 1, 2, 3, 0, 0, 0, stat.S_IFREG | 0o640, 1, 0, 0, 0, 4096, 0)
     loop.front.give([], 1000, 2000)
-    loop.front.delegate_file(9, attr, 60 * TTL)
+    loop.front.delegate_files(struct.pack("<Qq", 9, 60 * TTL) + attr)
     answers, n, _ = loop.served(request(p.GETATTR, 1, bytes(16), nodeid=9))
     assert n == 0 and [a[:2] for a in answers] == [(0, 1)]
     assert answers[0][2][p.ATTR_OUT_HEAD.size:] == attr
@@ -164,7 +164,7 @@ def test_a_file_handed_over_is_answered_until_taken_back(loop, tmp_path) -> None
     assert loop.front.recall_file(9) and not loop.front.recall_file(9)
     again = request(p.GETATTR, 4, bytes(16), nodeid=9)
     assert loop.served(again) == ([], len(again), again)
-    loop.front.delegate_file(9, attr, 0)  # its directory's TTL over
+    loop.front.delegate_files(struct.pack("<Qq", 9, 0) + attr)  # its directory's TTL over
     assert loop.served(again) == ([], len(again), again)
 
 

@@ -22,7 +22,7 @@
  *             fills), registered as the open's backing file (passthrough)
  *   FLUSH, RELEASE of the handles such creates opened
  *
- * Answered for a file Python handed over (delegate_file(): closed, its bytes
+ * Answered for a file Python handed over (delegate_files(): closed, its bytes
  * all in its local copy, until its directory's TTL ends):
  *   GETATTR   its attributes
  *   OPEN      for reading: passthrough to its local copy
@@ -188,31 +188,38 @@ static PyObject *front_delegate_locked(Front *f, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *front_delegate_file_locked(Front *f, PyObject *args) {
-    unsigned long long ino;
-    Py_buffer attr;
-    long long ttl_left_ns;
-    if (!PyArg_ParseTuple(args, "Ky*L", &ino, &attr, &ttl_left_ns))
+static PyObject *front_delegate_files_locked(Front *f, PyObject *args) {
+    /* records of u64 ino, i64 ttl_left_ns, fuse_attr (88 bytes) */
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf))
         return NULL;
-    if (attr.len != sizeof(struct attr)) {
-        PyBuffer_Release(&attr);
-        PyErr_SetString(PyExc_ValueError, "attr: a fuse_attr (88 bytes)");
-        return NULL;
+    const size_t size = 16 + sizeof(struct attr);
+    PyObject *result = Py_None;
+    if (buf.len % size) {
+        PyErr_SetString(PyExc_ValueError, "records of 104 bytes");
+        result = NULL;
     }
-    FileEntry *e = file_get(f, ino);
-    if (e && e->count) { /* (opened here, and its backing id still in use) */
-        PyBuffer_Release(&attr);
-        PyErr_SetString(PyExc_ValueError, "a file the loop holds open");
-        return NULL;
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    for (size_t at = 0; result && at < (size_t)buf.len; at += size) {
+        const char *r = (const char *)buf.buf + at;
+        uint64_t ino;
+        int64_t ttl_left_ns;
+        memcpy(&ino, r, 8);
+        memcpy(&ttl_left_ns, r + 8, 8);
+        FileEntry *e = file_get(f, ino);
+        if (e && e->count) { /* (opened here, and its backing id still in use) */
+            PyErr_SetString(PyExc_ValueError, "a file the loop holds open");
+            result = NULL;
+        } else if (!e && !(e = file_add(f, ino))) {
+            result = PyErr_NoMemory();
+        } else {
+            memcpy(&e->attr, r + 16, sizeof e->attr);
+            e->until_ns = now + ttl_left_ns;
+        }
     }
-    if (!e && !(e = file_add(f, ino))) {
-        PyBuffer_Release(&attr);
-        return PyErr_NoMemory();
-    }
-    memcpy(&e->attr, attr.buf, sizeof e->attr);
-    PyBuffer_Release(&attr);
-    e->until_ns = clock_ns(CLOCK_MONOTONIC) + ttl_left_ns;
-    Py_RETURN_NONE;
+    PyBuffer_Release(&buf);
+    Py_XINCREF(result);
+    return result;
 }
 
 static PyObject *front_recall_file_locked(Front *f, PyObject *args) {
@@ -308,7 +315,7 @@ LOCKED(front_journaled)
 LOCKED(front_journal_applied)
 LOCKED(front_recall)
 LOCKED(front_delegate)
-LOCKED(front_delegate_file)
+LOCKED(front_delegate_files)
 LOCKED(front_recall_file)
 LOCKED(front_give)
 LOCKED(front_set_creates)
@@ -376,9 +383,10 @@ static PyMethodDef front_methods[] = {
      "(attr: its fuse_attr; names: every name in it)"},
     {"recall", (PyCFunction)front_recall, METH_VARARGS,
      "recall(ino) -> whether directory ino was handed over (it is not now)"},
-    {"delegate_file", (PyCFunction)front_delegate_file, METH_VARARGS,
-     "delegate_file(ino, attr, ttl_left_ns): hand over file ino, closed and wholly in "
-     "its local copy (attr: its fuse_attr), until ttl_left_ns from now"},
+    {"delegate_files", (PyCFunction)front_delegate_files, METH_VARARGS,
+     "delegate_files(records): hand over files, closed and wholly in their local "
+     "copies; each record: u64 ino, i64 ns from now until it is handed back, its "
+     "fuse_attr"},
     {"recall_file", (PyCFunction)front_recall_file, METH_VARARGS,
      "recall_file(ino) -> whether file ino was handed over (it is not now; the loop's "
      "handles of it stay the loop's)"},

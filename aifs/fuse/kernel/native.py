@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import struct
 import sys
 import time
 
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 #: requests that change the directory they name (a name in it, its attributes)
 CHANGES_DIR = frozenset({p.SETATTR, p.MKNOD, p.MKDIR, p.UNLINK, p.RMDIR, p.SYMLINK,
                          p.RENAME, p.RENAME2, p.LINK, p.CREATE, p.SETXATTR, p.REMOVEXATTR})
+HANDED = struct.Struct("<Qq")  # a file handed over: ino, ns left, then its fuse_attr
 POOL_LOW = 256  # inode numbers or handles left to the loop before more are reserved
 POOL_INOS = 1024
 POOL_HANDLES = 4096
@@ -86,6 +88,7 @@ class Native:
         #: files handed over -> their directory, and each directory's files
         self.files: dict[int, int] = {}
         self.dir_files: dict[int, set[int]] = {}
+        self.handing: list[tuple[int, bytes]] = []  # files handed over in this apply
         self.applied = 0  # journal bytes applied
         self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
         self.broken = False
@@ -182,6 +185,9 @@ class Native:
             except Exception:  # the program was answered: keep going with the rest
                 log.exception("applying %s of inode %d answered by the C loop", record,
                               record.ino)
+        if self.handing:  # (those still held: an await above let other tasks run)
+            self.front.delegate_files(b"".join(r for ino, r in self.handing if ino in self.files))
+            self.handing.clear()
         self.applied += used
         if self.front.journal_applied(self.applied):  # all of it, and no more came
             self.applied = 0
@@ -237,8 +243,11 @@ class Native:
         if (until is None or inode.orphan or inode.size >= self.fs.config.multipart_threshold
                 or not self.fs.local.has(inode.ino)):
             return
-        attr = self.ops.attr(self.ops.attributes(inode))
-        self.front.delegate_file(inode.ino, attr, int((until - time.monotonic()) * 1e9))
+        # (told to the loop at the end of the apply, all at once: each call
+        # waits for the lock the helper answers under)
+        self.handing.append((inode.ino, HANDED.pack(inode.ino, int((until - time.monotonic())
+                                                                     * 1e9))
+                             + self.ops.attr(self.ops.attributes(inode))))
         self.files[inode.ino] = parent
         self.dir_files.setdefault(parent, set()).add(inode.ino)
 

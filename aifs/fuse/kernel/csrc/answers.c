@@ -2,11 +2,29 @@
  * while Python applies what was journaled (see _native.c). */
 #include "front.h"
 
+/* The answer decided under the lock, written after it is released (the
+ * helper holds the lock for less, so Python's calls wait less; what was
+ * journaled is in the journal before the answer is written either way). One
+ * per thread: the loop's, and the helper's. */
+static __thread struct {
+    size_t len;
+    char buf[sizeof(struct out_header) + 256];
+} reply;
+
 static void answer(Front *f, uint64_t unique, int error, const void *body, size_t size) {
-    struct out_header out = {(uint32_t)(sizeof out + (error ? 0 : size)), -error, unique};
-    struct iovec iov[2] = {{&out, sizeof out}, {(void *)body, error ? 0 : size}};
-    while (writev(f->devfd, iov, 2) < 0 && errno == EINTR) {
+    (void)f;
+    size = error ? 0 : size;
+    struct out_header out = {(uint32_t)(sizeof out + size), -error, unique};
+    memcpy(reply.buf, &out, sizeof out);
+    if (size)
+        memcpy(reply.buf + sizeof out, body, size);
+    reply.len = sizeof out + size;
+}
+
+static void send_reply(Front *f) {
+    while (write(f->devfd, reply.buf, reply.len) < 0 && errno == EINTR) {
     }
+    reply.len = 0;
 }
 
 static int journal(Front *f, const void *record, size_t size, const char *name, size_t len) {
@@ -265,6 +283,8 @@ static int answer_here(Front *f, const char *buf, ssize_t n, int *tell) {
     if ((*tell = done && f->journaled - f->told >= TELL_EVERY))
         f->told = f->journaled;
     pthread_mutex_unlock(&f->lock);
+    if (done)
+        send_reply(f);
     return done;
 }
 
