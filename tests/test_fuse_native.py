@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,7 @@ def test_a_file_handed_over_is_answered_until_taken_back(loop, tmp_path) -> None
     Python's."""
     attr = p.ATTR.pack(9, 5, 1, 1, 2, 3, 0, 0, 0, stat.S_IFREG | 0o640, 1, 0, 0, 0, 4096, 0)
     loop.front.give([], 1000, 2000)
-    loop.front.delegate_files(struct.pack("<Qq", 9, 60 * TTL) + attr)
+    loop.front.delegate_files(struct.pack("<Qq", 9, time.monotonic_ns() + 60 * TTL) + attr)
     answers, n, _ = loop.served(request(p.GETATTR, 1, bytes(16), nodeid=9))
     assert n == 0 and [a[:2] for a in answers] == [(0, 1)]
     assert answers[0][2][p.ATTR_OUT_HEAD.size:] == attr
@@ -164,7 +165,7 @@ def test_a_file_handed_over_is_answered_until_taken_back(loop, tmp_path) -> None
     assert loop.front.recall_file(9) and not loop.front.recall_file(9)
     again = request(p.GETATTR, 4, bytes(16), nodeid=9)
     assert loop.served(again) == ([], len(again), again)
-    loop.front.delegate_files(struct.pack("<Qq", 9, 0) + attr)  # its directory's TTL over
+    loop.front.delegate_files(struct.pack("<Qq", 9, time.monotonic_ns()) + attr)  # TTL over
     assert loop.served(again) == ([], len(again), again)
 
 
@@ -277,7 +278,16 @@ def test_files_the_loop_creates_are_as_on_tmpfs_and_after_a_remount(tmp_path, mo
 # each and looked at again: each change reaches the next stat and read, as on
 # tmpfs (the loop gave the file back first).
 READ_BACK = r"""
-import hashlib, json, os, sys
+import ctypes, hashlib, json, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def statx(path):  # AT_STATX_FORCE_SYNC: the daemon is asked, not the kernel's cache
+    buf = ctypes.create_string_buffer(256)
+    if libc.statx(-100, path.encode(), 0x2000, 0xFFF, buf) != 0:
+        raise OSError(ctypes.get_errno(), path)
+    nlink, uid, gid, mode = struct.unpack_from("<IIIH", buf, 16)
+    size = struct.unpack_from("<Q", buf, 40)[0]
+    mtime = struct.unpack_from("<qI", buf, 112)
+    return [oct(mode), size, nlink, uid, gid, mtime[0] * 10**9 + mtime[1]]
 root = sys.argv[1]
 d = os.path.join(root, "made")
 os.mkdir(d)
@@ -290,7 +300,14 @@ def looked(name):
     with open(path, "rb") as fp:
         data = fp.read()
         same = os.fstat(fp.fileno()).st_size == len(data)
-    return [oct(st.st_mode), st.st_size, st.st_nlink, same, hashlib.sha1(data).hexdigest()]
+    forced = statx(path)
+    return [oct(st.st_mode), st.st_size, st.st_nlink, same, hashlib.sha1(data).hexdigest(),
+            forced[:5], forced[5] == st.st_mtime_ns]
+os.mkdir(os.path.join(root, "other"))
+with open(os.path.join(d, "twice"), "wb") as fp:  # a second name while open, then gone
+    fp.write(b"two names")
+    os.link(os.path.join(d, "twice"), os.path.join(root, "other", "alias"))
+os.unlink(os.path.join(root, "other", "alias"))
 first = {n: looked(n) for n in sorted(os.listdir(d))}
 held = [open(os.path.join(d, "f30"), "rb"), open(os.path.join(d, "f30"), "rb")]
 p = lambda i: os.path.join(d, f"f{i:02d}")

@@ -110,6 +110,9 @@ class Inodes:
         self.write_failed: dict[int, str] = {}
         self.changes: dict[int, int] = {}
         self.kernel_etag: dict[int, str] = {}  # the version the kernel's pages are of
+        #: set by a binding that answers opens outside the core (the kernel
+        #: session's C loop): whether it may hold an inode open unknown here
+        self.held_outside: Callable[[int], bool] = lambda ino: False
         self.dir_times: dict[int, tuple[int, float]] = {}  # ino -> (mtime_ns, ctime)
         self.subdir_counts: dict[int, int] = {}  # ino -> subdirectories (st_nlink - 2)
         self.stale_local: set[int] = set()  # dropped once no handle reads them
@@ -190,6 +193,12 @@ class Inodes:
 
     def is_open(self, ino: int) -> bool:
         return self.opens.get(ino, 0) > 0
+
+    def copy_in_use(self, ino: int) -> bool:
+        """Whether ``ino``'s local copy may be read through the mount: open
+        here, or held by a binding's requests answered outside the core and
+        not yet applied (:attr:`held_outside`)."""
+        return self.opens.get(ino, 0) > 0 or self.held_outside(ino)
 
     def reads_lake(self, ino: int) -> bool:
         """Whether an open handle may still read ``ino``'s bytes from its lake

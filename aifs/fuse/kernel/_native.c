@@ -189,7 +189,7 @@ static PyObject *front_delegate_locked(Front *f, PyObject *args) {
 }
 
 static PyObject *front_delegate_files_locked(Front *f, PyObject *args) {
-    /* records of u64 ino, i64 ttl_left_ns, fuse_attr (88 bytes) */
+    /* records of u64 ino, i64 until (CLOCK_MONOTONIC ns), fuse_attr (88 bytes) */
     Py_buffer buf;
     if (!PyArg_ParseTuple(args, "y*", &buf))
         return NULL;
@@ -199,22 +199,20 @@ static PyObject *front_delegate_files_locked(Front *f, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "records of 104 bytes");
         result = NULL;
     }
-    int64_t now = clock_ns(CLOCK_MONOTONIC);
     for (size_t at = 0; result && at < (size_t)buf.len; at += size) {
         const char *r = (const char *)buf.buf + at;
         uint64_t ino;
-        int64_t ttl_left_ns;
+        int64_t until_ns;
         memcpy(&ino, r, 8);
-        memcpy(&ttl_left_ns, r + 8, 8);
+        memcpy(&until_ns, r + 8, 8);
         FileEntry *e = file_get(f, ino);
-        if (e && e->count) { /* (opened here, and its backing id still in use) */
-            PyErr_SetString(PyExc_ValueError, "a file the loop holds open");
-            result = NULL;
+        if (e && e->count) { /* (opened here, its backing id in use: it stays as it is) */
+            continue;
         } else if (!e && !(e = file_add(f, ino))) {
             result = PyErr_NoMemory();
         } else {
             memcpy(&e->attr, r + 16, sizeof e->attr);
-            e->until_ns = now + ttl_left_ns;
+            e->until_ns = until_ns;
         }
     }
     PyBuffer_Release(&buf);
@@ -385,8 +383,8 @@ static PyMethodDef front_methods[] = {
      "recall(ino) -> whether directory ino was handed over (it is not now)"},
     {"delegate_files", (PyCFunction)front_delegate_files, METH_VARARGS,
      "delegate_files(records): hand over files, closed and wholly in their local "
-     "copies; each record: u64 ino, i64 ns from now until it is handed back, its "
-     "fuse_attr"},
+     "copies; each record: u64 ino, i64 CLOCK_MONOTONIC ns when it is handed back, its "
+     "fuse_attr (one the loop holds open stays as it is)"},
     {"recall_file", (PyCFunction)front_recall_file, METH_VARARGS,
      "recall_file(ino) -> whether file ino was handed over (it is not now; the loop's "
      "handles of it stay the loop's)"},

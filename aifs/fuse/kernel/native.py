@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 #: requests that change the directory they name (a name in it, its attributes)
 CHANGES_DIR = frozenset({p.SETATTR, p.MKNOD, p.MKDIR, p.UNLINK, p.RMDIR, p.SYMLINK,
                          p.RENAME, p.RENAME2, p.LINK, p.CREATE, p.SETXATTR, p.REMOVEXATTR})
-HANDED = struct.Struct("<Qq")  # a file handed over: ino, ns left, then its fuse_attr
+HANDED = struct.Struct("<Qq")  # a file handed over: ino, until (monotonic ns), its fuse_attr
 POOL_LOW = 256  # inode numbers or handles left to the loop before more are reserved
 POOL_INOS = 1024
 POOL_HANDLES = 4096
@@ -89,6 +89,13 @@ class Native:
         self.files: dict[int, int] = {}
         self.dir_files: dict[int, set[int]] = {}
         self.handing: list[tuple[int, bytes]] = []  # files handed over in this apply
+        self.creating: set[int] = set()  # handles of the loop's creates, applied, still open
+        #: inodes (and directories) a request Python answers names, while it runs
+        self.busy: dict[int, int] = {}
+        #: files taken back while the journal held records not applied yet (the
+        #: loop's opens of them, maybe) -> the journal's length then
+        self.recent: dict[int, int] = {}
+        fs.inodes.held_outside = self.holds
         self.applied = 0  # journal bytes applied
         self.ttl_ns = int(fs.config.metadata_ttl * 1e9)
         self.broken = False
@@ -160,8 +167,9 @@ class Native:
                     if record.kind == RELEASED:  # (the open's: its backing id's count)
                         passthrough.closed(record.ino)
                 elif isinstance(record, Created):
-                    fs.adopted.create(record)
                     self.passthrough.adopt(record.ino, record.fh, record.backing)
+                    fs.adopted.create(record)
+                    self.creating.add(record.fh)
                     # (what it wrote since is taken at its flush: seen as made)
                     fs.direct.went_direct(record.fh, record.pid, (0, record.time_ns))
                 elif record.kind == OPENED:
@@ -169,8 +177,8 @@ class Native:
                         reads_closed.add(record.fh)
                         passthrough.adopt(record.ino, 0, record.backing)
                         continue
-                    fs.adopted.open(record)
                     passthrough.adopt(record.ino, record.fh, record.backing)
+                    fs.adopted.open(record)
                     fs.direct.went_direct(record.fh, record.pid)
                 elif record.kind == FLUSHED:
                     fs.absorb(record.ino)
@@ -178,19 +186,31 @@ class Native:
                 else:
                     passthrough.released(record.fh)
                     fs.release(record.fh)
-                    if record.ino not in self.files and record.ino not in fs.inodes.opens:
-                        inode = fs.meta.get(record.ino)  # (a create's file, closed now)
-                        if inode is not None:
+                    if record.fh in self.creating:  # a create's file, closed now
+                        self.creating.discard(record.fh)
+                        inode = fs.meta.get(record.ino)
+                        if inode is not None and record.ino not in fs.inodes.opens:
                             self._hand_over_file(inode)
             except Exception:  # the program was answered: keep going with the rest
                 log.exception("applying %s of inode %d answered by the C loop", record,
                               record.ino)
         if self.handing:  # (those still held: an await above let other tasks run)
-            self.front.delegate_files(b"".join(r for ino, r in self.handing if ino in self.files))
+            try:
+                self.front.delegate_files(b"".join(r for ino, r in self.handing
+                                                   if ino in self.files))
+            except Exception:  # (out of memory: the loop answers them not)
+                log.exception("handing %d files over to the C loop", len(self.handing))
+                for ino, _ in self.handing:
+                    self.take_back_file(ino)
             self.handing.clear()
         self.applied += used
+        if self.recent:
+            for ino, upto in list(self.recent.items()):
+                if upto <= self.applied:
+                    del self.recent[ino]
         if self.front.journal_applied(self.applied):  # all of it, and no more came
             self.applied = 0
+            self.recent.clear()
         self._refill(state)
 
     def _broken(self) -> None:
@@ -237,16 +257,18 @@ class Native:
         its opens for reading and their releases, while its directory is
         handed over (the same listing: no other node's version can come
         before that TTL ends). Not one that streams (its upload may set
-        its mtime) nor one whose copy is gone."""
+        its mtime), nor one with other names (an unlink of another changes
+        its link count), nor one whose copy is gone."""
         parent = inode.parent
         until = self.delegated.get(parent)
-        if (until is None or inode.orphan or inode.size >= self.fs.config.multipart_threshold
+        if (until is None or inode.orphan or inode.nlink != 1
+                or inode.size >= self.fs.config.multipart_threshold
+                or inode.ino in self.busy or parent in self.busy
                 or not self.fs.local.has(inode.ino)):
-            return
+            return  # (a request Python answers may be changing it: it waits on)
         # (told to the loop at the end of the apply, all at once: each call
         # waits for the lock the helper answers under)
-        self.handing.append((inode.ino, HANDED.pack(inode.ino, int((until - time.monotonic())
-                                                                     * 1e9))
+        self.handing.append((inode.ino, HANDED.pack(inode.ino, int(until * 1e9))
                              + self.ops.attr(self.ops.attributes(inode))))
         self.files[inode.ino] = parent
         self.dir_files.setdefault(parent, set()).add(inode.ino)
@@ -254,10 +276,21 @@ class Native:
     def take_back_file(self, ino: int) -> None:
         parent = self.files.pop(ino, None)
         if parent is not None:
-            self.front.recall_file(ino)
+            self._recall_file(ino)
             files = self.dir_files.get(parent)
             if files is not None:
                 files.discard(ino)
+
+    def _recall_file(self, ino: int) -> None:
+        self.front.recall_file(ino)
+        journaled = self.front.journaled()
+        if journaled != self.applied:  # (after the recall: the loop opens it no more)
+            self.recent[ino] = journaled
+
+    def holds(self, ino: int) -> bool:
+        """Whether the loop may hold ``ino`` open without the core knowing yet
+        (its copy is in use: not evicted, and a newer version marks it stale)."""
+        return ino in self.files or ino in self.recent
 
     def lake_changed(self, parent: int, names: list[bytes], replaced: list[int]) -> None:
         """A listing refresh found another node's changes (before it tells the
@@ -266,16 +299,31 @@ class Native:
         for ino in replaced:
             self.take_back_file(ino)
 
-    def before(self, opcode: int, nodeid: int, body: memoryview) -> None:
+    def before(self, opcode: int, nodeid: int, body: memoryview) -> tuple[int, ...]:
         """Python answers this request: take back the files it names and the
         directories it changes (a create the loop left to Python keeps its
-        directory: :meth:`created`)."""
+        directory: :meth:`created`). The inodes it names, for :meth:`after`:
+        none is handed over while it runs."""
+        marked = (nodeid, p.LINK_IN.unpack_from(body)[0]) if opcode == p.LINK else (nodeid,)
+        busy = self.busy
+        for ino in marked:
+            busy[ino] = busy.get(ino, 0) + 1
         if self.files:
-            self.take_back_file(nodeid)
-            if opcode == p.LINK:
-                self.take_back_file(p.LINK_IN.unpack_from(body)[0])
-        if opcode not in CHANGES_DIR or not self.delegated or opcode == p.CREATE:
-            return
+            for ino in marked:
+                self.take_back_file(ino)
+        if opcode in CHANGES_DIR and self.delegated and opcode != p.CREATE:
+            self._changes_dir(opcode, nodeid, body)
+        return marked
+
+    def after(self, marked: tuple[int, ...]) -> None:
+        """The request :meth:`before` marked these for is answered."""
+        busy = self.busy
+        for ino in marked:
+            left = busy.pop(ino) - 1
+            if left:
+                busy[ino] = left
+
+    def _changes_dir(self, opcode: int, nodeid: int, body: memoryview) -> None:
         if opcode in (p.RENAME, p.RENAME2):
             (newdir,) = p.RENAME_IN.unpack_from(body)
             old, end = p.cstring(body, p.RENAME_IN.size if opcode == p.RENAME
@@ -309,7 +357,7 @@ class Native:
             self.front.recall(ino)
         for file in self.dir_files.pop(ino, ()):
             if self.files.pop(file, None) is not None:
-                self.front.recall_file(file)
+                self._recall_file(file)
 
     def take_back_all(self) -> None:
         for ino in list(self.delegated):

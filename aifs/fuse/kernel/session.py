@@ -44,7 +44,7 @@ from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel import uring
 from aifs.fuse.kernel.native import Native
-from aifs.fuse.kernel.operations import Operations, Reply, Request, reply_parts
+from aifs.fuse.kernel.operations import Handler, Operations, Reply, Request, reply_parts
 from aifs.fuse.kernel.passthrough import Passthrough
 from aifs.fuse.kernel.rings import Rings
 
@@ -350,8 +350,17 @@ class Session:
         if handler is None:
             self._reply(unique, self.ops.answered.get(opcode, errno.ENOSYS), b"")
             return
-        if self.native is not None:
-            self.native.before(opcode, nodeid, body)
+        if self.native is None:
+            await self._handle(handler, opcode, unique, nodeid, uid, gid, pid, body)
+            return
+        marked = self.native.before(opcode, nodeid, body)
+        try:
+            await self._handle(handler, opcode, unique, nodeid, uid, gid, pid, body)
+        finally:
+            self.native.after(marked)
+
+    async def _handle(self, handler: Handler, opcode: int, unique: int, nodeid: int, uid: int,
+                      gid: int, pid: int, body: memoryview) -> None:
         interruptible = opcode in INTERRUPTIBLE
         if interruptible:
             self.pending[unique] = pid

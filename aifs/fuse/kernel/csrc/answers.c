@@ -11,6 +11,9 @@ static __thread struct {
     char buf[sizeof(struct out_header) + 256];
 } reply;
 
+_Static_assert(sizeof(struct entry_out) + sizeof(struct open_out) <= 256,
+               "the largest answer (CREATE's) fits the reply buffer");
+
 static void answer(Front *f, uint64_t unique, int error, const void *body, size_t size) {
     (void)f;
     size = error ? 0 : size;
@@ -164,8 +167,10 @@ static int open_file(Front *f, const struct in_header *in, const char *body, siz
         } map = {fd, 0, 0};
         backing = ioctl(f->devfd, BACKING_OPEN, &map);
         close(fd); /* (the kernel holds the file) */
-        if (backing < 0)
+        if (backing < 0) { /* passthrough refused: Python answers every open from now */
+            f->no_backing = 1;
             return 0;
+        }
         registered = 1;
     }
     uint64_t fh = f->next_fh;
