@@ -577,6 +577,44 @@ async def test_a_read_only_open_applied_with_its_release_leaves_what_both_leave(
         fs.local.close()
 
 
+async def test_a_copy_the_loop_may_hold_open_is_not_evicted(tmp_path) -> None:
+    """Opens the C loop answered may not be applied yet when the cache makes
+    room: a copy it may hold (``Inodes.held_outside``) stays, as an open one
+    does; the others go."""
+    from aifs.cache.blocks import BlockCache
+    from aifs.cache.files import LocalFiles
+    from aifs.config import Config
+    from aifs.core import Filesystem
+    from aifs.lake.local import LocalStore
+    from aifs.meta.store import ROOT_INO, MetaStore
+
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=0)
+    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    try:
+        async with trio.open_nursery() as nursery:
+            fs.start(nursery)
+            inos = []
+            for name in (b"held", b"free"):
+                fh, inode = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+                await fs.write(fh, 0, b"x" * 5000)
+                await fs.flush(fh)
+                fs.release(fh)
+                inos.append(inode.ino)
+            with trio.fail_after(30):
+                await fs.sync(ROOT_INO)  # in the lake: the copies are clean
+            held, free = inos
+            fs.inodes.held_outside = lambda ino: ino == held
+            fs.local.evict(1 << 30)
+            assert fs.local.has(held) and not fs.local.has(free)
+            nursery.cancel_scope.cancel()
+    finally:
+        fs.meta.close()
+        fs.local.close()
+
+
 AS_NOBODY = r"""
 import os, sys
 os.setgid(65534); os.setuid(65534)
