@@ -580,7 +580,7 @@ async def test_a_read_only_open_applied_with_its_release_leaves_what_both_leave(
 async def test_a_copy_the_loop_may_hold_open_is_not_evicted(tmp_path) -> None:
     """Opens the C loop answered may not be applied yet when the cache makes
     room: a copy it may hold (``Inodes.held_outside``) stays, as an open one
-    does; the others go."""
+    does; the others go. Its descriptor in the daemon may go."""
     from aifs.cache.blocks import BlockCache
     from aifs.cache.files import LocalFiles
     from aifs.config import Config
@@ -609,6 +609,24 @@ async def test_a_copy_the_loop_may_hold_open_is_not_evicted(tmp_path) -> None:
             fs.inodes.held_outside = lambda ino: ino == held
             fs.local.evict(1 << 30)
             assert fs.local.has(held) and not fs.local.has(free)
+            # Its descriptor is not kept for it (the kernel holds its own): the
+            # daemon's stay within max_open (they did not, and each new copy
+            # scanned them all).
+            fs.inodes.held_outside = lambda ino: True
+            fs.local.max_open = 2
+            for i in range(6):
+                fh, _ = await fs.create(ROOT_INO, b"more%d" % i, 0o644, os.O_WRONLY, 0, 0)
+                fs.release(fh)
+            root = str(fs.local.root) + "/"
+
+            def target(fd: str) -> str:
+                try:
+                    return os.readlink(f"/proc/self/fd/{fd}")
+                except FileNotFoundError:  # (the listing's own, closed since)
+                    return ""
+
+            kept = [fd for fd in os.listdir("/proc/self/fd") if target(fd).startswith(root)]
+            assert len(kept) <= 2, kept
             nursery.cancel_scope.cancel()
     finally:
         fs.meta.close()

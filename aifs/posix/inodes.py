@@ -194,10 +194,14 @@ class Inodes:
     def is_open(self, ino: int) -> bool:
         return self.opens.get(ino, 0) > 0
 
+    def held(self, ino: int) -> bool:
+        """Whether a binding that answers opens outside the core may hold
+        ``ino`` open unknown here (:attr:`held_outside`)."""
+        return self.held_outside(ino)
+
     def copy_in_use(self, ino: int) -> bool:
         """Whether ``ino``'s local copy may be read through the mount: open
-        here, or held by a binding's requests answered outside the core and
-        not yet applied (:attr:`held_outside`)."""
+        here, or :meth:`held`."""
         return self.opens.get(ino, 0) > 0 or self.held_outside(ino)
 
     def reads_lake(self, ino: int) -> bool:
