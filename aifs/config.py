@@ -143,8 +143,10 @@ class Config:
     fuse_native: bool = _option(True, "With the kernel binding: read requests in C, which "
                                 "answers those whose answer is fixed (IOCTL, GETXATTR of "
                                 "names outside user.*) and root's creates of files in "
-                                "directories this node just made without Python (each "
-                                "journaled before it is answered); false, or a build "
+                                "directories this node just made without Python, and the "
+                                "stat, opens for reading (passthrough) and closes of "
+                                "those files once closed (each journaled before it is "
+                                "answered); false, or a build "
                                 "without a C compiler: all in Python.", "bool")
     dir_prefetch: bool = _option(True, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch, in "
