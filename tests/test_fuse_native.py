@@ -33,6 +33,23 @@ native = pytest.importorskip("aifs.fuse.kernel._native")
 TTL = 10**9
 
 
+def core_fs(tmp_path: Path, promote_delay: float = 3600):
+    """The core over a local lake in ``tmp_path`` (no mount): what the loop's
+    records are applied to."""
+    from aifs.cache.blocks import BlockCache
+    from aifs.cache.files import LocalFiles
+    from aifs.config import Config
+    from aifs.core import Filesystem
+    from aifs.lake.local import LocalStore
+    from aifs.meta.store import MetaStore
+
+    (tmp_path / "lake").mkdir(exist_ok=True)
+    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=promote_delay)
+    return Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                      BlockCache(tmp_path / "cache", config.cache_size),
+                      LocalFiles(tmp_path / "cache"))
+
+
 def request(opcode: int, unique: int, body: bytes = b"", nodeid: int = 1, uid: int = 0) -> bytes:
     length = p.IN_HEADER.size + len(body)
     return p.IN_HEADER.pack(length, opcode, unique, nodeid, uid, 0, 0, 0, 0) + body
@@ -244,9 +261,11 @@ print(json.dumps(out))
 """
 
 
-def run_program(root: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROGRAM, str(root)], capture_output=True,
-                         text=True, check=True, timeout=120)
+def run_program(root: Path, program: str = PROGRAM) -> dict:
+    """What ``program`` printed (JSON) run on ``root``; its errors, if it failed."""
+    out = subprocess.run([sys.executable, "-c", program, str(root)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     import json
     return json.loads(out.stdout)
 
@@ -341,14 +360,7 @@ def test_files_the_loop_opens_are_as_on_tmpfs_after_each_change(tmp_path, mounte
     m = mounter(lake, "--fuse-binding", "kernel")
     reference = tmpfs / "native-read-back"
     reference.mkdir()
-    out = {}
-    for side, root in (("tmpfs", reference), ("aifs", m.path)):
-        ran = subprocess.run([sys.executable, "-c", READ_BACK, str(root)], capture_output=True,
-                             text=True, timeout=120)
-        assert ran.returncode == 0, ran.stderr
-        import json
-        out[side] = json.loads(ran.stdout)
-    assert out["aifs"] == out["tmpfs"]
+    assert run_program(m.path, READ_BACK) == run_program(reference, READ_BACK)
     assert aifs_cli("sync", str(m.path)).returncode == 0
     m.unmount()
     summary = m.log_text().split("requests served")[-1]
@@ -387,22 +399,9 @@ async def test_the_journal_a_killed_daemon_left_is_applied_at_mount(tmp_path) ->
     comes back with its size and closed; one never closed is a crashed
     writer's (kept aside by recovery); a record cut short by the crash is left
     out."""
-    from aifs.cache.blocks import BlockCache
-    from aifs.cache.files import LocalFiles
-    from aifs.config import Config
-    from aifs.core import Filesystem
-    from aifs.lake.local import LocalStore
-    from aifs.meta.store import ROOT_INO, MetaStore
+    from aifs.meta.store import ROOT_INO
 
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=3600)
-
-    def filesystem() -> Filesystem:
-        return Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
-                          BlockCache(tmp_path / "cache", config.cache_size),
-                          LocalFiles(tmp_path / "cache"))
-
-    fs = filesystem()
+    fs = core_fs(tmp_path)
     async with trio.open_nursery() as nursery:
         fs.start(nursery)
         directory = await fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0)
@@ -426,7 +425,7 @@ async def test_the_journal_a_killed_daemon_left_is_applied_at_mount(tmp_path) ->
     journal = (create(inos[0], b"closed") + closed(inos[0]) + create(inos[1], b"open")
                + create(inos[2], b"cut")[:30])
     (tmp_path / "cache" / adopted.JOURNAL).write_bytes(journal)
-    fs = filesystem()
+    fs = core_fs(tmp_path)
     try:
         fs.recover()
         kept = fs.meta.lookup(directory.ino, b"closed")
@@ -452,18 +451,9 @@ async def test_a_closed_create_applied_at_once_leaves_what_three_steps_leave(tmp
     (``Adopted.create_closed``), leave the metadata, the local copy and the
     promotion queue as the core's own create, direct write, flush and release
     do."""
-    from aifs.cache.blocks import BlockCache
-    from aifs.cache.files import LocalFiles
-    from aifs.config import Config
-    from aifs.core import Filesystem
-    from aifs.lake.local import LocalStore
-    from aifs.meta.store import ROOT_INO, MetaStore
+    from aifs.meta.store import ROOT_INO
 
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=3600)
-    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
+    fs = core_fs(tmp_path)
     data = b"sixteen bytes.." * 99
     try:
         async with trio.open_nursery() as nursery:
@@ -524,18 +514,9 @@ async def test_a_read_only_open_applied_with_its_release_leaves_what_both_leave(
     """A read-only open the loop answered, applied alone (``Adopted.open``) or
     with its release (``Adopted.open_closed``), leaves the counters and the
     core's tables as the core's own open and release do."""
-    from aifs.cache.blocks import BlockCache
-    from aifs.cache.files import LocalFiles
-    from aifs.config import Config
-    from aifs.core import Filesystem
-    from aifs.lake.local import LocalStore
-    from aifs.meta.store import ROOT_INO, MetaStore
+    from aifs.meta.store import ROOT_INO
 
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=3600)
-    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
+    fs = core_fs(tmp_path)
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
@@ -581,18 +562,9 @@ async def test_a_copy_the_loop_may_hold_open_is_not_evicted(tmp_path) -> None:
     """Opens the C loop answered may not be applied yet when the cache makes
     room: a copy it may hold (``Inodes.held_outside``) stays, as an open one
     does; the others go. Its descriptor in the daemon may go."""
-    from aifs.cache.blocks import BlockCache
-    from aifs.cache.files import LocalFiles
-    from aifs.config import Config
-    from aifs.core import Filesystem
-    from aifs.lake.local import LocalStore
-    from aifs.meta.store import ROOT_INO, MetaStore
+    from aifs.meta.store import ROOT_INO
 
-    (tmp_path / "lake").mkdir()
-    config = Config(lake=f"file://{tmp_path}/lake", promote_delay=0)
-    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
-                    BlockCache(tmp_path / "cache", config.cache_size),
-                    LocalFiles(tmp_path / "cache"))
+    fs = core_fs(tmp_path, 0)
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
