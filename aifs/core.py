@@ -102,7 +102,7 @@ class Filesystem:
                                self.checkpoints, self.object_attrs, self.dir_prefetch,
                                lambda: self.metrics.snapshot())
         self.recovery = Recovery(meta, local)
-        local.in_use, local.held = inodes.is_open, inodes.held
+        local.in_use, local.kept = inodes.is_open, inodes.copy_in_use
         cache.others = lambda: local.used
         self.fetcher.make_room = self.writes.room_for_blocks
         self.metrics = Metrics(self)

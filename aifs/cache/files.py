@@ -43,10 +43,10 @@ class LocalFiles:
     def __init__(self, directory: Path, in_use: Callable[[int], bool] = lambda ino: False,
                  max_open: int = 512, idle: Callable[[], bool] | None = None) -> None:
         self.in_use = in_use  # open through the mount: keep the copy and its descriptor
-        #: a copy read through the mount past the core (the kernel binding's C
-        #: loop), which may not know yet: kept, its descriptor not (the
-        #: kernel holds its own); set by the core
-        self.held: Callable[[int], bool] = lambda ino: False
+        #: copies not to evict: those in use, and those read through the mount
+        #: past the core (the kernel binding's C loop), whose descriptors here
+        #: may close (the kernel holds its own); set by the core
+        self.kept: Callable[[int], bool] = in_use
         self.root = directory / "files"
         self.root.mkdir(parents=True, exist_ok=True)
         self._prefix = f"{self.root}/"  # where copies are named, as a str: opens build no Path
@@ -331,7 +331,7 @@ class LocalFiles:
         for ino in order:
             if freed >= wanted:
                 break
-            if self.in_use(ino) or self.held(ino):
+            if self.kept(ino):
                 continue
             freed += self._sizes.get(ino, 0)
             self.remove(ino)

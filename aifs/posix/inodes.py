@@ -194,11 +194,6 @@ class Inodes:
     def is_open(self, ino: int) -> bool:
         return self.opens.get(ino, 0) > 0
 
-    def held(self, ino: int) -> bool:
-        """Whether a binding that answers opens outside the core may hold
-        ``ino`` open unknown here (:attr:`held_outside`)."""
-        return self.held_outside(ino)
-
     def copy_in_use(self, ino: int) -> bool:
         """Whether ``ino``'s local copy may be read through the mount: open
         here, or :meth:`held`."""

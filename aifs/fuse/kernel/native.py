@@ -276,16 +276,19 @@ class Native:
     def take_back_file(self, ino: int) -> None:
         parent = self.files.pop(ino, None)
         if parent is not None:
-            self._recall_file(ino)
+            self._recall_files([ino])
             files = self.dir_files.get(parent)
             if files is not None:
                 files.discard(ino)
 
-    def _recall_file(self, ino: int) -> None:
-        self.front.recall_file(ino)
-        journaled = self.front.journaled()
-        if journaled != self.applied:  # (after the recall: the loop opens it no more)
-            self.recent[ino] = journaled
+    def _recall_files(self, inos: list[int] | set[int]) -> None:
+        """The loop answers nothing of these files from now; those it may hold
+        open unknown to the core stay held until the journal is applied."""
+        for ino in inos:
+            self.front.recall_file(ino)
+        journaled = self.front.journaled()  # (after the recalls: no more opens of them)
+        if journaled != self.applied:
+            self.recent.update(dict.fromkeys(inos, journaled))
 
     def holds(self, ino: int) -> bool:
         """Whether the loop may hold ``ino`` open without the core knowing yet
@@ -355,9 +358,11 @@ class Native:
         """Directory ``ino``, and the files in it."""
         if self.delegated.pop(ino, None) is not None:
             self.front.recall(ino)
-        for file in self.dir_files.pop(ino, ()):
-            if self.files.pop(file, None) is not None:
-                self._recall_file(file)
+        files = self.dir_files.pop(ino, None)
+        if files:
+            for file in files:
+                del self.files[file]
+            self._recall_files(files)
 
     def take_back_all(self) -> None:
         for ino in list(self.delegated):

@@ -64,6 +64,32 @@ void dir_times(Dir *d, int64_t now) {
     d->attr.ctime = (uint64_t)(ctime_ns / 1000000000), d->attr.ctimensec = ctime_ns % 1000000000;
 }
 
+/* Register fd as a backing file (passthrough); its id, or -1. A refusal
+ * stops the loop's creates and opens for good: Python answers them. */
+static int backing_open(Front *f, int fd) {
+    struct {
+        int32_t fd;
+        uint32_t flags;
+        uint64_t padding;
+    } map = {fd, 0, 0};
+    int backing = ioctl(f->devfd, BACKING_OPEN, &map);
+    if (backing < 0)
+        f->no_backing = 1;
+    return backing;
+}
+
+/* Whether a handle is left to give (the pool, and room in the table). */
+static int handle_left(Front *f) {
+    return f->next_fh < f->end_fh && f->fhs_count * 2 + 2 <= f->fhs_cap;
+}
+
+/* Give the next handle to ino. */
+static uint64_t handle_take(Front *f, uint64_t ino) {
+    uint64_t fh = f->next_fh++, *slot = fh_slot(f, fh);
+    *slot = fh, f->fh_inos[slot - f->fhs] = ino, f->fhs_count++;
+    return fh;
+}
+
 static int create(Front *f, const struct in_header *in, Dir *d, const char *body, size_t len) {
     if (len < sizeof(struct create_in) + 2)
         return 0;
@@ -74,8 +100,7 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
         namelen > d->key_room || (name[0] == '.' && (namelen == 1 || (namelen == 2 && name[1] == '.'))))
         return 0;
     if ((c->flags & O_ACCMODE) == O_RDONLY || in->uid != 0 || !f->creates || f->no_backing ||
-        !f->inos_len ||
-        f->next_fh >= f->end_fh || f->fhs_count * 2 + 2 > f->fhs_cap || name_has(d, name, namelen))
+        !f->inos_len || !handle_left(f) || name_has(d, name, namelen))
         return 0; /* Python's: a reader, a user whose writes must clear set-ID, no room ... */
     uint64_t ino = f->inos[f->inos_len - 1], fh = f->next_fh;
     char copy[32];
@@ -83,12 +108,7 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
     int fd = openat(f->files_fd, copy, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0)
         return 0; /* Python tries, and answers the error */
-    struct {
-        int32_t fd;
-        uint32_t flags;
-        uint64_t padding;
-    } map = {fd, 0, 0};
-    int backing = ioctl(f->devfd, BACKING_OPEN, &map);
+    int backing = backing_open(f, fd);
     int64_t now = clock_ns(CLOCK_REALTIME);
     /* the copy's times are the create's: a copy never written keeps them (as
      * Python's create stores them), one written moves from them */
@@ -99,8 +119,7 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
     struct j_create j = {0, J_CREATE, in->nodeid, ino, fh, (uint64_t)now, mode, in->uid,
                          in->gid, in->pid, c->flags, (uint32_t)namelen, backing, fd};
     j.len = (uint32_t)(sizeof j + namelen + (8 - (sizeof j + namelen) % 8) % 8);
-    if (backing < 0) { /* passthrough refused: Python answers every create from now */
-        f->no_backing = 1;
+    if (backing < 0) { /* passthrough refused (backing_open): Python answers */
         close(fd);
         unlinkat(f->files_fd, copy, 0);
         return 0;
@@ -115,9 +134,7 @@ static int create(Front *f, const struct in_header *in, Dir *d, const char *body
         return 0;
     }
     f->inos_len--;
-    f->next_fh++;
-    uint64_t *slot = fh_slot(f, fh);
-    *slot = fh, f->fh_inos[slot - f->fhs] = ino, f->fhs_count++;
+    handle_take(f, ino);
     dir_times(d, now);
     int64_t ctime_ns = (int64_t)(((double)now / 1e9) * 1e9);
     struct {
@@ -149,8 +166,7 @@ static int open_file(Front *f, const struct in_header *in, const char *body, siz
         return 0;
     const struct open_in *o = (const void *)body;
     if ((o->flags & O_ACCMODE) != O_RDONLY || o->flags & O_TRUNC || f->no_backing ||
-        f->next_fh >= f->end_fh || f->fhs_count * 2 + 2 > f->fhs_cap ||
-        clock_ns(CLOCK_MONOTONIC) >= e->until_ns)
+        !handle_left(f) || clock_ns(CLOCK_MONOTONIC) >= e->until_ns)
         return 0; /* Python's: a writer, no handles left, past the TTL ... */
     int backing = e->backing, registered = 0;
     if (!e->count) {
@@ -160,17 +176,10 @@ static int open_file(Front *f, const struct in_header *in, const char *body, siz
         int fd = openat(f->files_fd, copy, O_RDWR | O_CLOEXEC);
         if (fd < 0)
             return 0; /* evicted: Python reads it from the lake */
-        struct {
-            int32_t fd;
-            uint32_t flags;
-            uint64_t padding;
-        } map = {fd, 0, 0};
-        backing = ioctl(f->devfd, BACKING_OPEN, &map);
+        backing = backing_open(f, fd);
         close(fd); /* (the kernel holds the file) */
-        if (backing < 0) { /* passthrough refused: Python answers every open from now */
-            f->no_backing = 1;
-            return 0;
-        }
+        if (backing < 0)
+            return 0; /* passthrough refused: Python answers */
         registered = 1;
     }
     uint64_t fh = f->next_fh;
@@ -180,9 +189,7 @@ static int open_file(Front *f, const struct in_header *in, const char *body, siz
             ioctl(f->devfd, BACKING_CLOSE, &backing);
         return 0;
     }
-    f->next_fh++;
-    uint64_t *slot = fh_slot(f, fh);
-    *slot = fh, f->fh_inos[slot - f->fhs] = in->nodeid, f->fhs_count++;
+    handle_take(f, in->nodeid);
     e->backing = backing, e->count++;
     struct open_out r = {fh, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, backing};
     answer(f, in->unique, 0, &r, sizeof r);
