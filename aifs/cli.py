@@ -136,17 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(after pack_gc_grace) and fold the journals into one")
     gc.add_argument("path", nargs="?", default=".", metavar="PATH")
 
-    bench = sub.add_parser("bench", help="the standard workloads on temporary mounts beside "
-                           "the local disk: one ratio table (root)")
-    bench.add_argument("--size", default="1G", help="the big file and state dict")
-    bench.add_argument("--files", type=int, default=2000, help="small files of 16 KiB")
-    bench.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
-    bench.add_argument("--binding", dest="bindings", action="append",
-                       choices=["kernel", "pyfuse3", "uring"],
-                       help="default: kernel and pyfuse3; uring: the kernel binding over "
-                       "FUSE over io_uring")
-    bench.add_argument("--work-dir", help="on the disk to compare with (default /var/tmp)")
-    bench.add_argument("--json", action="store_true", help="the results as JSON")
+    from aifs import bench
+    bench.add_arguments(sub.add_parser("bench", help="the standard workloads on temporary "
+                                       "mounts beside the local disk: one ratio table (root)"))
     return parser
 
 
@@ -576,9 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             return _gc(args.path)
         if args.command == "bench":
             from aifs import bench
-            from aifs.config import parse_size
-            return bench.main(parse_size(args.size), args.files, args.runs,
-                              args.bindings or ["kernel", "pyfuse3"], args.work_dir, args.json)
+            return bench.from_args(args)
     except AifsError as exc:
         print(f"aifs: {exc}", file=sys.stderr)
         return 1

@@ -1,33 +1,21 @@
-"""``aifs bench``: the standard workloads on temporary mounts beside the local disk.
-
-Each workload runs on the local disk (a directory beside the cache) and on an
-aifs mount of each binding asked for (``kernel``, ``pyfuse3``, and ``uring``:
-the kernel binding over FUSE over io_uring, the fuse module's
-``enable_uring`` turned on for the run and put back after), interleaved
-run by run so no side gets a quieter machine; the table shows medians and
-the ratio of each binding to the local disk. Before each side's run every
-mount has promoted what earlier runs wrote (``user.aifs.sync``): a side's
-figures carry the promotion of its own files, which falls due while its
-later rows run, but no other side's. The lake is a fresh
-local-directory lake in the work directory, so the mount's local copies (the
-NVMe tier) are what is measured; the lake itself has benchmarks of its own
-(``tests/bench/``). Needs root (drops the page cache) and /dev/fuse;
-torch, where installed, adds ``torch.save``/``torch.load`` and a DataLoader
-epoch.
+"""The NVMe-tier rows of ``aifs bench``: each workload on the local disk (a
+directory beside the cache) and on an aifs mount of each binding asked for,
+interleaved run by run so no side gets a quieter machine; the table shows
+medians and the ratio of each binding to the local disk. Before each side's
+run every mount has promoted what earlier runs wrote (``user.aifs.sync``): a
+side's figures carry the promotion of its own files, which falls due while
+its later rows run, but no other side's. The lake is a fresh local-directory
+lake in the work directory, so the mount's local copies (the NVMe tier) are
+what is measured. torch, where installed, adds ``torch.save``/``torch.load``
+and a DataLoader epoch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import mmap
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,9 +23,8 @@ from typing import Any
 from tqdm import tqdm
 
 from aifs import xattrs
-from aifs.errors import ConfigError
+from aifs.bench.mounts import MiB, Mount, daemon_cpu, drop_caches, read_all, timed
 
-MiB = 1 << 20
 SMALL = 16 << 10
 
 #: key, workload, "speed" (ratio local/side time... shown as x local speed) or
@@ -56,70 +43,11 @@ ROWS = [
 ]
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fp:
-        fp.write("1\n")
-
-
-def daemon_cpu(pid: int) -> float:
-    """CPU seconds the process ``pid`` has used (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Mount:
-    """``aifs mount --foreground`` of ``lake`` on ``path`` with one binding."""
-
-    def __init__(self, lake: Path, path: Path, cache: Path, binding: str, log: Path) -> None:
-        path.mkdir(parents=True)
-        self.path = path
-        env = dict(os.environ, AIFS_FUSE_TRANSPORT="uring" if binding == "uring" else "dev")
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "aifs", "mount", str(lake), str(path), "--foreground",
-                 "--cache-dir", str(cache), "--fuse-binding",
-                 "kernel" if binding == "uring" else binding,
-                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while not os.path.ismount(path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise ConfigError(f"aifs bench: the {binding} mount did not come up "
-                                  f"(log: {log})")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if os.path.ismount(self.path):
-            subprocess.run([sys.executable, "-m", "aifs", "umount", str(self.path)],
-                           capture_output=True, timeout=600)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def timed(fn: Callable[..., object], *args: object) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
-
-
 def write_big(path: Path, size: int) -> None:
     block = os.urandom(MiB)
     with open(path, "wb", buffering=0) as fp:
         for _ in range(size // MiB):
             fp.write(block)
-
-
-def read_all(path: Path) -> None:
-    with open(path, "rb", buffering=0) as fp:
-        while fp.readinto(BUFFER):
-            pass
-
-
-BUFFER = bytearray(MiB)
 
 
 def touch_pages(path: Path) -> None:
@@ -169,10 +97,8 @@ def torch_rows(root: Path, size: int, files: int, state: Any) -> dict[str, Calla
     return {"save": save, "load": load, "epoch": epoch}
 
 
-def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | None,
+def run(size: int, files: int, runs: int, bindings: list[str], work: Path,
         progress: bool = True) -> dict[str, Any]:
-    if os.geteuid() != 0:
-        raise ConfigError("aifs bench needs root (it drops the page cache and mounts)")
     try:
         import warnings
 
@@ -182,29 +108,21 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
         state: Any = {f"w{i}": torch.rand(size // 32, generator=gen) for i in range(8)}
     except ImportError:
         state = None
-    switch = contextlib.ExitStack()
-    if "uring" in bindings:
-        from aifs.fuse.kernel import uring
-        try:
-            switch.enter_context(uring.switched_on())
-        except OSError as exc:
-            raise ConfigError(f"aifs bench: FUSE over io_uring cannot be enabled here: "
-                              f"{exc}") from None
-    work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
     mounts: dict[str, Mount] = {}
     times: dict[str, dict[str, list[float]]] = {}
     cpu: dict[str, list[float]] = {}
+    lake = work / "lake"
     try:
-        (work / "lake").mkdir()
+        lake.mkdir()
         roots = {"local": work / "local"}
         roots["local"].mkdir()
         for binding in bindings:
-            mounts[binding] = Mount(work / "lake", work / f"mnt-{binding}",
+            mounts[binding] = Mount(f"file://{lake}", work / f"mnt-{binding}",
                                     work / f"cache-{binding}", binding,
                                     work / f"{binding}.log")
             roots[binding] = mounts[binding].path
         sides = list(roots)
-        steps = tqdm(total=runs * len(sides), desc="aifs bench", unit="side",
+        steps = tqdm(total=runs * len(sides), desc="aifs bench: NVMe tier", unit="side",
                      disable=not progress)
         for rep in range(runs):
             order = sides[rep % len(sides):] + sides[:rep % len(sides)]
@@ -243,8 +161,7 @@ def run(size: int, files: int, runs: int, bindings: list[str], work_dir: str | N
     finally:
         for mount in mounts.values():
             mount.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        switch.close()
+        shutil.rmtree(lake, ignore_errors=True)
     medians = {side: {key: statistics.median(values) for key, values in got.items()}
                for side, got in times.items()}
     return {"size": size, "files": files, "runs": runs, "seconds": medians,
@@ -274,9 +191,3 @@ def table(result: dict[str, Any]) -> str:
                                     *["" for _ in bindings], "<= 0.05 CPU-s"]) + " |")
     return "\n".join(lines)
 
-
-def main(size: int, files: int, runs: int, bindings: list[str], work_dir: str | None,
-         as_json: bool) -> int:
-    result = run(size, files, runs, bindings, work_dir, progress=not as_json)
-    print(json.dumps(result, indent=2) if as_json else table(result))
-    return 0

@@ -1,0 +1,69 @@
+"""``aifs bench``: it runs, prints its rows, and leaves nothing behind (the lake
+as it was, no mount, no work directory); bad input gets one clear line. The
+figures themselves are benchmarks, not tests: nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import lake_objects, lake_uploads
+
+from aifs.bench.lake import table
+
+
+def mounted_under(path) -> list[str]:
+    with open("/proc/mounts") as fp:
+        return [line for line in fp if str(path) in line.split()[1]]
+
+
+def test_the_lake_rows_read_an_object_beside_boto3_and_leave_the_lake_as_it_was(
+        s3_lake, tmp_path, aifs_cli):
+    s3_lake.put("kept/by-the-user.txt", b"not the bench's")
+    before = lake_objects(s3_lake)
+    got = aifs_cli("bench", "--size", "16M", "--files", "10", "--runs", "1",
+                   "--binding", "kernel", "--work-dir", str(tmp_path), "--json",
+                   "--lake", s3_lake.url, *s3_lake.args, env=s3_lake.env, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    result = json.loads(got.stdout)
+    lake = result["lake"]
+    assert lake["url"] == s3_lake.url + "/" and lake["size"] == 16 << 20
+    sides = {"boto3", "kernel"}
+    assert sides <= set(lake["seconds"]) <= sides | {"s3fs"}
+    assert all(math.isfinite(s) and s > 0 for s in lake["seconds"].values())
+    # the cold read's close made the object one local copy, read again from it
+    assert lake["runs_with_a_local_copy"] == {"kernel": 1}
+    assert set(lake["daemon_cpu_s_per_gib_again"]) == {"kernel"}
+    assert "kernel" in lake["daemon_cpu_s_per_gib_cold"]
+    assert "nvme_read" in result["seconds"]["kernel"]  # the NVMe rows ran too
+
+    printed = table(lake)
+    for row in ("fresh-node read of the whole object", "daemon CPU per GiB of that cold read",
+                "daemon CPU per GiB read again from the NVMe tier"):
+        assert row in printed
+    assert "x boto3 speed" in printed
+
+    assert lake_objects(s3_lake) == before
+    assert lake_uploads(s3_lake) == []
+    assert mounted_under(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lake_the_bench_cannot_use_gets_one_line_and_nothing_runs(moto_server, tmp_path,
+                                                                    aifs_cli):
+    cases = {
+        "a wrong endpoint": (["--lake", "s3://bench/x", "--endpoint-url",
+                              "http://127.0.0.1:9"], "cannot reach the lake s3://bench/x/"),
+        "a missing bucket": (["--lake", "s3://no-such-bucket/x", "--endpoint-url",
+                              moto_server.endpoint], "cannot reach the lake"),
+        "a local directory": (["--lake", str(tmp_path / "lake")], "takes an s3://"),
+    }
+    for what, (args, says) in cases.items():
+        got = aifs_cli("bench", "--size", "16M", "--runs", "1", "--work-dir", str(tmp_path),
+                       *args, env=moto_server.env)
+        assert got.returncode == 1, what
+        assert got.stdout == "", what
+        lines = got.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("aifs: bench") and says in lines[0], \
+            (what, got.stderr)
+        assert list(tmp_path.iterdir()) == [], what
