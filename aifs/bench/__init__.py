@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["add_arguments", "from_args", "main"]
 
+#: the smallest --size: the lake rows' object must be large enough to become
+#: one local copy when read whole (a large object: at least one 8 MiB block)
+MIN_SIZE = 8 << 20
+
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     """The options of ``aifs bench`` (the CLI builds its parser with these)."""
@@ -57,6 +61,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> int:
     from aifs.bench.lake import Lake
     from aifs.config import parse_size
+    if not args.lake:
+        given = [flag for flag, value in (("--config", args.config),
+                                          ("--endpoint-url", args.endpoint_url),
+                                          ("--region", args.region),
+                                          ("--profile", args.profile)) if value]
+        if given:
+            raise ConfigError(f"bench: {given[0]} is for --lake (the NVMe rows use a "
+                              "local-directory lake of their own)")
     lake = Lake(args.lake, args.config, args.endpoint_url, args.region,
                 args.profile) if args.lake else None
     return main(parse_size(args.size), args.files, args.runs,
@@ -69,27 +81,33 @@ def main(size: int, files: int, runs: int, bindings: list[str], work_dir: str | 
     from aifs.bench import nvme
     if os.geteuid() != 0:
         raise ConfigError("bench needs root (it drops the page cache and mounts)")
-    switch = contextlib.ExitStack()
-    if "uring" in bindings:
-        from aifs.fuse.kernel import uring
-        try:
-            switch.enter_context(uring.switched_on())
-        except OSError as exc:
-            raise ConfigError(f"bench: FUSE over io_uring cannot be enabled here: "
-                              f"{exc}") from None
+    if size < MIN_SIZE or runs < 1 or files < 1:
+        raise ConfigError(f"bench: --size must be at least {MIN_SIZE >> 20}M, --runs and "
+                          "--files at least 1")
     server = None
-    if lake is not None:
+    if lake is not None:  # a lake it cannot use fails now, before anything runs
         server = lake_rows.Server(lake)
         server.check()
-    work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
-    try:
+    with contextlib.ExitStack() as stack:
+        if "uring" in bindings:
+            from aifs.fuse.kernel import uring
+            try:
+                stack.enter_context(uring.switched_on())
+            except OSError as exc:
+                raise ConfigError(f"bench: FUSE over io_uring cannot be enabled here: "
+                                  f"{exc}") from None
+        try:
+            work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
+        except OSError as exc:
+            raise ConfigError(f"bench: no work directory in {work_dir}: {exc}") from None
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        lake_result = None
+        if lake is not None and server is not None:  # first: it needs the lake to answer
+            lake_result = lake_rows.run(lake, server, size, runs, bindings, work,
+                                        progress=not as_json)
         result = nvme.run(size, files, runs, bindings, work, progress=not as_json)
-        if lake is not None and server is not None:
-            result["lake"] = lake_rows.run(lake, server, size, runs, bindings, work,
-                                           progress=not as_json)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        switch.close()
+        if lake_result is not None:
+            result["lake"] = lake_result
     if as_json:
         print(json.dumps(result, indent=2))
     else:

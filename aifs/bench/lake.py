@@ -20,6 +20,7 @@ each read (``/proc/PID/stat``), per GiB.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,16 +28,24 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 from tqdm import tqdm
 
 from aifs import xattrs
-from aifs.bench.mounts import MiB, Mount, S3fsMount, drop_caches, read_with_cpu
+from aifs.bench.mounts import (
+    MiB,
+    Mount,
+    S3fsMount,
+    daemon_cpu,
+    drop_caches,
+    read_with_cpu,
+)
 from aifs.config import load_config
 from aifs.errors import ConfigError
 
@@ -67,12 +76,10 @@ class Lake:
 
 
 class Server:
-    """The lake's bucket through boto3 as a user would call it."""
+    """The lake's bucket through boto3 as a user would call it; every failure
+    of boto3 is one line (a ConfigError)."""
 
     def __init__(self, lake: Lake) -> None:
-        import boto3
-        import botocore.config
-
         config = load_config(lake.config, {"lake": lake.url, "endpoint_url": lake.endpoint_url,
                                            "region": lake.region, "profile": lake.profile})
         parsed = urlparse(config.resolved_lake())
@@ -83,64 +90,92 @@ class Server:
         self.bucket = parsed.netloc
         prefix = unquote(parsed.path).strip("/")
         self.prefix = prefix + "/" if prefix else ""
-        self.endpoint = config.endpoint_url
+        self.where = f"s3://{self.bucket}/{self.prefix}"
         self.path_style = config.path_style
-        session = boto3.session.Session(profile_name=config.profile or None)
-        self.client = session.client(
-            "s3", endpoint_url=config.endpoint_url or None,
-            region_name=config.region or session.region_name or "us-east-1",
+        self._config = config
+        with self.errors("cannot reach the lake"):
+            import boto3
+            self.session = boto3.session.Session(profile_name=config.profile or None)
+            self.client = self.new_client()
+        # what boto3 resolved (an AWS_ENDPOINT_URL too): s3fs must reach the same server
+        self.endpoint = self.client.meta.endpoint_url
+        self.region = self.client.meta.region_name
+
+    @contextlib.contextmanager
+    def errors(self, doing: str) -> Iterator[None]:
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError
+        try:
+            yield
+        except (BotoCoreError, ClientError, Boto3Error, ValueError) as exc:
+            raise ConfigError(f"bench: {doing} {self.where}: {exc}") from None
+
+    def new_client(self) -> Any:
+        import botocore.config
+        return self.session.client(
+            "s3", endpoint_url=self._config.endpoint_url or None,
+            region_name=self._config.region or self.session.region_name or "us-east-1",
             config=botocore.config.Config(
                 max_pool_connections=IN_FLIGHT, retries={"total_max_attempts": 2},
-                connect_timeout=10, read_timeout=config.request_timeout,
-                s3={"addressing_style": "path" if config.path_style else "auto"}))
-        found = session.get_credentials()
-        frozen = found.get_frozen_credentials() if found else None
-        self.credentials = {"AWS_ACCESS_KEY_ID": frozen.access_key,
-                            "AWS_SECRET_ACCESS_KEY": frozen.secret_key} if frozen else {}
-        if frozen and frozen.token:
-            self.credentials["AWS_SESSION_TOKEN"] = frozen.token
+                connect_timeout=10, read_timeout=self._config.request_timeout,
+                s3={"addressing_style": "path" if self.path_style else "auto"}))
+
+    def credentials(self) -> dict[str, str]:
+        """The credentials as of now, as environment variables (for s3fs)."""
+        with self.errors("no credentials for"):
+            found = self.session.get_credentials()
+            frozen = found.get_frozen_credentials() if found else None
+        if frozen is None:
+            return {}
+        out = {"AWS_ACCESS_KEY_ID": frozen.access_key,
+               "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+        if frozen.token:
+            out["AWS_SESSION_TOKEN"] = frozen.token
+        return out
 
     def check(self) -> None:
-        """Fail with one line now, before anything runs, if the bucket cannot be reached."""
-        from botocore.exceptions import BotoCoreError, ClientError
-        try:
+        """Fail with one line now, before anything runs, if the bench cannot
+        put and delete its object there."""
+        key = f"{self.prefix}aifs-bench-check-{uuid.uuid4().hex[:12]}"
+        with self.errors("cannot reach the lake"):
             self.client.head_bucket(Bucket=self.bucket)
-        except (BotoCoreError, ClientError) as exc:
-            raise ConfigError(f"bench: cannot reach the lake s3://{self.bucket}/"
-                              f"{self.prefix}: {exc}") from None
+        with self.errors("cannot put a test object into"):
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
+        with self.errors("cannot delete a test object from"):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def put(self, source: Path, key: str) -> None:
-        from boto3.exceptions import S3UploadFailedError
         from boto3.s3.transfer import TransferConfig
-        from botocore.exceptions import BotoCoreError, ClientError
-        try:
+        with self.errors("cannot put the bench object into"):
             self.client.upload_file(str(source), self.bucket, key, Config=TransferConfig(
                 multipart_chunksize=PART, max_concurrency=8))
-        except (BotoCoreError, ClientError, S3UploadFailedError) as exc:
-            raise ConfigError(f"bench: cannot put the bench object into "
-                              f"s3://{self.bucket}/{key}: {exc}") from None
 
     def delete(self, key: str) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
         try:
-            self.client.delete_object(Bucket=self.bucket, Key=key)
-        except (BotoCoreError, ClientError) as exc:
-            print(f"aifs: bench: could not delete s3://{self.bucket}/{key}: {exc}",
-                  file=sys.stderr)
+            with self.errors(f"could not delete {key} from"):
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+        except ConfigError as exc:
+            print(f"aifs: {exc}", file=sys.stderr)
 
     def read(self, key: str, size: int) -> float:
-        """Seconds to GET the object whole in parallel ranges."""
+        """Seconds to GET the object whole in parallel ranges, on new
+        connections (as a fresh mount has)."""
+        client = self.new_client()
+
         def get(offset: int) -> int:
-            body = self.client.get_object(
+            body = client.get_object(
                 Bucket=self.bucket, Key=key,
                 Range=f"bytes={offset}-{min(offset + PART, size) - 1}")["Body"]
             return len(body.read())
-        start = time.perf_counter()
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            got = sum(pool.map(get, range(0, size, PART)))
+        with self.errors("boto3 could not read its object from"):
+            start = time.perf_counter()
+            with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                got = sum(pool.map(get, range(0, size, PART)))
+            took = time.perf_counter() - start
+        client.close()
         if got != size:
             raise ConfigError(f"bench: boto3 read {got} of {size} bytes")
-        return time.perf_counter() - start
+        return took
 
 
 def wait_admitted(mount: Path, timeout: float = 120) -> bool:
@@ -171,6 +206,7 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
     gib = size / (1 << 30)
     seconds: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    copy_cpu: dict[str, list[float]] = {}
     again: dict[str, list[tuple[float, float]]] = {}
     copies: dict[str, int] = {}
     source = work / NAME
@@ -188,23 +224,30 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
                     seconds.setdefault(side, []).append(server.read(key, size))
                 elif side == "s3fs":
                     assert s3fs is not None
-                    fs = S3fsMount(s3fs, server.bucket, work / "mnt-s3fs", work / "s3fs.log",
-                                   server.endpoint, server.path_style, server.credentials)
+                    fs = S3fsMount(s3fs, f"{server.bucket}:/{folder}", work / "mnt-s3fs",
+                                   work / "s3fs.log", work, server.endpoint, server.region,
+                                   server.path_style, server.credentials())
                     try:
-                        took, used = read_with_cpu(fs.path / key, fs.proc.pid)
+                        took, used = read_with_cpu(fs.path / NAME, fs.proc.pid, size)
                     finally:
                         fs.stop()
                     seconds.setdefault(side, []).append(took)
                     cpu.setdefault(side, []).append(used / gib)
                 else:
                     cache = work / f"lake-cache-{side}"
-                    mount = Mount(f"s3://{server.bucket}/{folder}", work / f"lake-{side}",
+                    mount = Mount(f"s3://{server.bucket}/{quote(folder)}", work / f"lake-{side}",
                                   cache, side, work / f"lake-{side}.log", options)
                     try:
-                        took, used = read_with_cpu(mount.path / NAME, mount.proc.pid)
-                        copies[side] = copies.get(side, 0) + wait_admitted(mount.path)
-                        again.setdefault(side, []).append(
-                            read_with_cpu(mount.path / NAME, mount.proc.pid))
+                        took, used = read_with_cpu(mount.path / NAME, mount.proc.pid, size)
+                        # the copy its close starts, made in the background: its CPU too
+                        before = daemon_cpu(mount.proc.pid)
+                        copied = wait_admitted(mount.path)
+                        copy_cpu.setdefault(side, []).append(
+                            (daemon_cpu(mount.proc.pid) - before) / gib)
+                        if copied:  # else a read again would not be from the NVMe tier
+                            copies[side] = copies.get(side, 0) + 1
+                            again.setdefault(side, []).append(
+                                read_with_cpu(mount.path / NAME, mount.proc.pid, size))
                     finally:
                         mount.stop()
                         shutil.rmtree(cache, ignore_errors=True)
@@ -216,40 +259,51 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
         source.unlink(missing_ok=True)
         server.delete(key)
     return {
-        "url": f"s3://{server.bucket}/{server.prefix}", "size": size, "runs": runs,
+        "url": server.where, "size": size, "runs": runs,
         "seconds": {side: statistics.median(v) for side, v in seconds.items()},
         "daemon_cpu_s_per_gib_cold": {side: statistics.median(v) for side, v in cpu.items()},
+        "daemon_cpu_s_per_gib_copy": {side: statistics.median(v)
+                                      for side, v in copy_cpu.items()},
         "seconds_again": {side: statistics.median(s for s, _ in v) for side, v in again.items()},
         "daemon_cpu_s_per_gib_again": {side: statistics.median(c / gib for _, c in v)
                                        for side, v in again.items()},
-        "runs_with_a_local_copy": copies,
+        "runs_with_a_local_copy": {side: copies.get(side, 0) for side in bindings},
     }
+
+
+def _ratio(value: float, to: float | None, unit: str) -> str:
+    return f"{value / to:.2f} x {unit}" if to else "-"
 
 
 def table(result: dict[str, Any]) -> str:
     seconds = result["seconds"]
     cold = result["daemon_cpu_s_per_gib_cold"]
+    copy = result["daemon_cpu_s_per_gib_copy"]
     warm = result["daemon_cpu_s_per_gib_again"]
     size = result["size"]
-    bindings = list(warm)
     sides = list(seconds)
+    bindings = [side for side in sides if side not in ("boto3", "s3fs")]
+    s3fs = cold.get("s3fs")
     head = [f"lake workload ({size / (1 << 30):g} GiB object in {result['url']})", *sides,
             *[f"{b} vs" for b in bindings], "target (kernel)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def row(cells: list[str]) -> None:
+    def row(workload: str, cell: Callable[[str], str], versus: Callable[[str], str],
+            target: str) -> None:
+        cells = [workload, *map(cell, sides), *map(versus, bindings), target]
         lines.append("| " + " | ".join(cells) + " |")
 
-    row(["fresh-node read of the whole object",
-         *[f"{size / seconds[s] / 1e6:.0f} MB/s" for s in sides],
-         *[f"{seconds['boto3'] / seconds[b]:.2f} x boto3 speed" for b in bindings],
-         f"no regression ({FILED_MB_S} MB/s on Ceph when filed)"])
-    row(["daemon CPU per GiB of that cold read",
-         *[f"{cold[s]:.2f} CPU-s" if s in cold else "-" for s in sides],
-         *[f"{cold[b] / cold['s3fs']:.2f} x s3fs" if "s3fs" in cold else "-"
-           for b in bindings],
-         "<= s3fs"])
-    row(["daemon CPU per GiB read again from the NVMe tier, page cache dropped",
-         *[f"{warm[s]:.3f} CPU-s" if s in warm else "-" for s in sides],
-         *["" for _ in bindings], "<= 0.05 CPU-s"])
+    row("fresh-node read of the whole object",
+        lambda s: f"{size / seconds[s] / 1e6:.0f} MB/s",
+        lambda b: _ratio(seconds["boto3"], seconds[b], "boto3 speed"),
+        f"no regression ({FILED_MB_S} MB/s on Ceph when filed)")
+    row("daemon CPU per GiB of that cold read",
+        lambda s: f"{cold[s]:.2f} CPU-s" if s in cold else "-",
+        lambda b: _ratio(cold[b], s3fs, "s3fs"), "<= s3fs")
+    row("daemon CPU per GiB making the local copy after it (aifs only)",
+        lambda s: f"{copy[s]:.2f} CPU-s" if s in copy else "-",
+        lambda b: _ratio(cold[b] + copy[b], s3fs, "s3fs with the copy"), "")
+    row("daemon CPU per GiB read again from the NVMe tier, page cache dropped",
+        lambda s: f"{warm[s]:.3f} CPU-s" if s in warm else "-",
+        lambda b: "" if b in warm else "no local copy made", "<= 0.05 CPU-s")
     return "\n".join(lines)

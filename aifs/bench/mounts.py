@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from aifs.daemon import mount_type
 from aifs.errors import ConfigError
 
 MiB = 1 << 20
@@ -35,19 +36,35 @@ def timed(fn: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - start
 
 
-def read_all(path: Path) -> None:
+def read_all(path: Path) -> int:
+    """Read ``path`` to its end; the bytes read."""
+    total = 0
     with open(path, "rb", buffering=0) as fp:
-        while fp.readinto(BUFFER):
-            pass
+        while got := fp.readinto(BUFFER):
+            total += got
+    return total
 
 
-def read_with_cpu(path: Path, pid: int) -> tuple[float, float]:
+def read_with_cpu(path: Path, pid: int, size: int) -> tuple[float, float]:
     """(seconds, CPU seconds of process ``pid``) of one whole read of ``path``,
-    the page cache dropped first."""
+    the page cache dropped first; its ``size`` bytes must all come back."""
     drop_caches()
     cpu = daemon_cpu(pid)
-    seconds = timed(read_all, path)
+    start = time.perf_counter()
+    try:
+        got = read_all(path)
+    except OSError as exc:
+        raise ConfigError(f"bench: reading {path} failed: {exc}") from None
+    seconds = time.perf_counter() - start
+    if got != size:
+        raise ConfigError(f"bench: {path} gave {got} of its {size} bytes")
     return seconds, daemon_cpu(pid) - cpu
+
+
+def mounted(path: Path) -> bool:
+    """Whether something is mounted on ``path``, a dead FUSE mount too (which
+    :func:`os.path.ismount` cannot stat)."""
+    return mount_type(os.path.join(os.path.realpath(path.parent), path.name)) is not None
 
 
 class Daemon:
@@ -63,22 +80,25 @@ class Daemon:
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 60
-        while not os.path.ismount(path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise ConfigError(f"bench: {what} did not come up (log: {log})")
-            time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.ismount(path):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise ConfigError(f"bench: {what} did not come up (log: {log})")
+                time.sleep(0.05)
+        except BaseException:  # (an interrupt too): no daemon or mount left
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if os.path.ismount(self.path):
+        if mounted(self.path):
             subprocess.run(self.unmount, capture_output=True, timeout=600)
         try:
             self.proc.wait(120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if os.path.ismount(self.path):
+        if mounted(self.path):  # a dead mount, or one the daemon did not release
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
 
 
@@ -99,15 +119,23 @@ class Mount(Daemon):
 
 class S3fsMount(Daemon):
     """``s3fs BUCKET PATH -f`` with its defaults (no local cache: every read
-    from the lake). The credentials go in its environment, never on its
-    command line or in a file."""
+    from the lake), its temporary files in ``tmpdir`` (the disk aifs caches
+    on). The credentials go in its environment (s3fs 1.90 and later read
+    ``AWS_ACCESS_KEY_ID`` and the others there first), never on its command
+    line or in a file."""
 
-    def __init__(self, binary: str, bucket: str, path: Path, log: Path, endpoint: str,
-                 path_style: bool, credentials: dict[str, str]) -> None:
-        options = ["use_path_request_style"] if path_style else []
-        if endpoint:
-            options.append(f"url={endpoint}")
-        command = [binary, bucket, str(path), "-f"] + (["-o", ",".join(options)]
-                                                       if options else [])
-        super().__init__(command, path, log, "s3fs", ["fusermount3", "-u", str(path)],
-                         dict(os.environ, **credentials))
+    def __init__(self, binary: str, bucket: str, path: Path, log: Path, tmpdir: Path,
+                 endpoint: str, region: str, path_style: bool,
+                 credentials: dict[str, str]) -> None:
+        options = [f"url={endpoint}", f"endpoint={region}", f"tmpdir={tmpdir}"]
+        if path_style:
+            options.append("use_path_request_style")
+        env = {name: value for name, value in os.environ.items()
+               if name not in CREDENTIAL_NAMES}
+        super().__init__([binary, bucket, str(path), "-f", "-o", ",".join(options)], path,
+                         log, "s3fs", ["umount", str(path)], dict(env, **credentials))
+
+
+#: where s3fs looks for credentials in its environment (none may be stale)
+CREDENTIAL_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                    "AWSACCESSKEYID", "AWSSECRETACCESSKEY", "AWSSESSIONTOKEN")
