@@ -84,7 +84,10 @@ class Daemon:
             deadline = time.monotonic() + 60
             while not os.path.ismount(path):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise ConfigError(f"bench: {what} did not come up (log: {log})")
+                    said = [line for line in log.read_text(errors="replace").splitlines()
+                            if line.strip()]  # (the work directory and its log go)
+                    raise ConfigError(f"bench: {what} did not come up"
+                                      + (f": {said[-1].strip()}" if said else ""))
                 time.sleep(0.05)
         except BaseException:  # (an interrupt too): no daemon or mount left
             self.stop()

@@ -112,6 +112,8 @@ def run(size: int, files: int, runs: int, bindings: list[str], work: Path,
     times: dict[str, dict[str, list[float]]] = {}
     cpu: dict[str, list[float]] = {}
     lake = work / "lake"
+    steps = tqdm(total=runs * (1 + len(bindings)), desc="aifs bench: NVMe tier", unit="side",
+                 disable=not progress)
     try:
         lake.mkdir()
         roots = {"local": work / "local"}
@@ -122,8 +124,6 @@ def run(size: int, files: int, runs: int, bindings: list[str], work: Path,
                                     work / f"{binding}.log")
             roots[binding] = mounts[binding].path
         sides = list(roots)
-        steps = tqdm(total=runs * len(sides), desc="aifs bench: NVMe tier", unit="side",
-                     disable=not progress)
         for rep in range(runs):
             order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
@@ -157,8 +157,8 @@ def run(size: int, files: int, runs: int, bindings: list[str], work: Path,
                         note(key, fn())
                     (root / "ckpt.pt").unlink()
                 steps.update()
-        steps.close()
     finally:
+        steps.close()  # (before any error is printed)
         for mount in mounts.values():
             mount.stop()
         shutil.rmtree(lake, ignore_errors=True)

@@ -5,7 +5,7 @@ that tree's own code and options.
     git worktree add /tmp/old-aifs COMMIT
     python tests/bench/lake_rows_against.py --tree /tmp/old-aifs \\
         --lake s3://bench/data --endpoint-url http://127.0.0.1:7481 [--size 1G] [--runs 5]
-        [--binding kernel] [--tree-binding pyfuse3]
+        [--binding kernel --binding pyfuse3] [--tree-binding pyfuse3]
 
 The other tree's side is named "other"; it gets ``--fuse-binding`` only if
 ``--tree-binding`` is given (trees from before the kernel binding lack the
@@ -35,7 +35,9 @@ def main() -> None:
     parser.add_argument("--endpoint-url")
     parser.add_argument("--size", default="1G")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--binding", default="kernel", help="this tree's binding")
+    parser.add_argument("--binding", dest="bindings", action="append",
+                        choices=["kernel", "pyfuse3", "uring"],
+                        help="this tree's bindings (default: kernel)")
     parser.add_argument("--work-dir", default="/var/tmp")
     args = parser.parse_args()
     tree = os.path.abspath(args.tree)
@@ -63,7 +65,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aifs-against-", dir=args.work_dir))
     try:
         result = rows.run(lake, server, parse_size(args.size), args.runs,
-                          [args.binding, "other"], work)
+                          [*(args.bindings or ["kernel"]), "other"], work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(rows.table(result))
