@@ -68,7 +68,7 @@ class Lake:
     profile: str | None = None
 
     def mount_options(self) -> list[str]:
-        out = []
+        out: list[str] = []
         for flag, value in (("--config", self.config), ("--endpoint-url", self.endpoint_url),
                             ("--region", self.region), ("--profile", self.profile)):
             if value:
