@@ -9,6 +9,7 @@ import math
 import shutil
 import uuid
 
+import pytest
 from conftest import lake_objects, lake_uploads
 
 from aifs.bench.lake import table
@@ -109,9 +110,9 @@ def test_the_lake_table_shows_speeds_against_boto3_and_cpu_against_s3fs():
 
 def test_a_mount_that_fails_after_the_object_is_put_leaves_the_lake_and_work_dir_as_they_were(
         moto_server, tmp_path, aifs_cli):
-    """The bench's aifs mount cannot come up (a FUSE option the kernel
-    refuses, from the config file): the bench says so in one line and removes
-    what it made: its object in the lake, its work directory."""
+    """The bench's aifs mount cannot come up (a mount option aifs refuses,
+    from the config file): the bench says so in one line and removes what it
+    made: its object in the lake, its work directory."""
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     moto_server.client.create_bucket(Bucket=bucket)
     work = tmp_path / "work"
@@ -130,3 +131,69 @@ def test_a_mount_that_fails_after_the_object_is_put_leaves_the_lake_and_work_dir
     assert moto_server.client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert mounted_under(work) == []
     assert list(work.iterdir()) == []
+
+
+class _FakeServer:
+    bucket, prefix, where = "b", "p/", "s3://b/p/"
+
+    def __init__(self) -> None:
+        self.objects: set[str] = set()
+
+    def put(self, source, key: str) -> None:
+        assert source.stat().st_size == 16 << 20
+        self.objects.add(key)
+
+    def delete(self, key: str) -> None:
+        self.objects.discard(key)
+
+    def read(self, key: str, size: int) -> float:
+        assert key in self.objects
+        return 1.0
+
+
+def test_the_lake_rows_count_a_copy_only_where_one_was_made(tmp_path, monkeypatch):
+    """lake.run with its mounts and clocks faked (no FUSE): a binding that
+    made no copy gets no copy CPU and no read-again figure, pyfuse3 is never
+    waited for, and the object goes from the lake even when a read fails."""
+    from aifs.bench import lake
+
+    waited: list[str] = []
+    copies = {"kernel": iter([True, False, True]), "uring": iter([False] * 3)}
+
+    class FakeMount:
+        def __init__(self, url, path, cache, side, log, options) -> None:
+            self.path, self.side = path, side
+            self.proc = type("P", (), {"pid": {"kernel": 1, "uring": 2, "pyfuse3": 3}[side]})
+
+        def stop(self) -> None:
+            pass
+
+    def wait(path) -> bool:
+        side = path.name.removeprefix("lake-")
+        waited.append(side)
+        return next(copies[side])
+
+    monkeypatch.setattr(lake, "Mount", FakeMount)
+    monkeypatch.setattr(lake, "wait_admitted", wait)
+    monkeypatch.setattr(lake, "read_with_cpu", lambda path, pid, size: (2.0, 0.5))
+    monkeypatch.setattr(lake, "daemon_cpu", lambda pid: 0.0)
+    monkeypatch.setattr(lake, "drop_caches", lambda: None)
+    monkeypatch.setattr(lake.shutil, "which", lambda name: None)
+    server = _FakeServer()
+    result = lake.run(lake.Lake("s3://b/p"), server, 16 << 20, 3,  # type: ignore[arg-type]
+                      ["kernel", "uring", "pyfuse3"], tmp_path, progress=False)
+    assert server.objects == set()
+    assert sorted(waited) == ["kernel"] * 3 + ["uring"] * 3
+    assert result["runs_with_a_local_copy"] == {"kernel": 2, "uring": 0, "pyfuse3": 0}
+    assert set(result["daemon_cpu_s_per_gib_copy"]) == {"kernel"}
+    assert set(result["daemon_cpu_s_per_gib_again"]) == {"kernel"}
+    assert set(result["seconds"]) == {"boto3", "kernel", "uring", "pyfuse3"}
+    assert "no local copy made" in table(result)
+
+    def fails(path, pid, size):
+        raise lake.ConfigError("bench: a read failed")
+    monkeypatch.setattr(lake, "read_with_cpu", fails)
+    with pytest.raises(lake.ConfigError):
+        lake.run(lake.Lake("s3://b/p"), server, 16 << 20, 1, ["kernel"], tmp_path,  # type: ignore[arg-type]
+                 progress=False)
+    assert server.objects == set()

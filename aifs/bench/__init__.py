@@ -99,13 +99,17 @@ def main(size: int, files: int, runs: int, bindings: list[str], work_dir: str | 
         try:
             work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
         except OSError as exc:
-            raise ConfigError(f"bench: no work directory in {work_dir}: {exc}") from None
+            raise ConfigError(f"bench: no work directory in {work_dir or '/var/tmp'}: "
+                              f"{exc}") from None
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         lake_result = None
-        if lake is not None and server is not None:  # first: it needs the lake to answer
-            lake_result = lake_rows.run(lake, server, size, runs, bindings, work,
-                                        progress=not as_json)
-        result = nvme.run(size, files, runs, bindings, work, progress=not as_json)
+        try:
+            if lake is not None and server is not None:  # first: it needs the lake to answer
+                lake_result = lake_rows.run(lake, server, size, runs, bindings, work,
+                                            progress=not as_json)
+            result = nvme.run(size, files, runs, bindings, work, progress=not as_json)
+        except OSError as exc:  # a full work disk, a daemon gone: after the cleanup above
+            raise ConfigError(f"bench: {exc}") from None
         if lake_result is not None:
             result["lake"] = lake_result
     if as_json:

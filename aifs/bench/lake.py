@@ -168,12 +168,14 @@ class Server:
                 Bucket=self.bucket, Key=key,
                 Range=f"bytes={offset}-{min(offset + PART, size) - 1}")["Body"]
             return len(body.read())
-        with self.errors("boto3 could not read its object from"):
-            start = time.perf_counter()
-            with ThreadPoolExecutor(IN_FLIGHT) as pool:
-                got = sum(pool.map(get, range(0, size, PART)))
-            took = time.perf_counter() - start
-        client.close()
+        try:
+            with self.errors("boto3 could not read its object from"):
+                start = time.perf_counter()
+                with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                    got = sum(pool.map(get, range(0, size, PART)))
+                took = time.perf_counter() - start
+        finally:
+            client.close()
         if got != size:
             raise ConfigError(f"bench: boto3 read {got} of {size} bytes")
         return took
@@ -246,8 +248,9 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
                         if side != "pyfuse3":
                             before = daemon_cpu(mount.proc.pid)
                             copied = wait_admitted(mount.path)
-                            copy_cpu.setdefault(side, []).append(
-                                (daemon_cpu(mount.proc.pid) - before) / gib)
+                            if copied:  # (else it measured the polls, not a copy)
+                                copy_cpu.setdefault(side, []).append(
+                                    (daemon_cpu(mount.proc.pid) - before) / gib)
                         if copied:  # else a read again would not be from the NVMe tier
                             copies[side] = copies.get(side, 0) + 1
                             again.setdefault(side, []).append(

@@ -4,6 +4,7 @@ page cache."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -73,13 +74,14 @@ class Daemon:
     reaps the process."""
 
     def __init__(self, command: list[str], path: Path, log: Path, what: str,
-                 unmount: list[str], env: dict[str, str] | None = None) -> None:
+                 unmount: list[str], env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.unmount = unmount
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env)
+                                         stdin=subprocess.DEVNULL, env=env, cwd=cwd)
         try:
             deadline = time.monotonic() + 60
             while not os.path.ismount(path):
@@ -95,7 +97,10 @@ class Daemon:
 
     def stop(self) -> None:
         if mounted(self.path):
-            subprocess.run(self.unmount, capture_output=True, timeout=600)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(self.unmount, capture_output=True, timeout=600)
+        elif self.proc.poll() is None:  # never mounted: nothing to drain
+            self.proc.terminate()
         try:
             self.proc.wait(120)
         except subprocess.TimeoutExpired:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -51,13 +52,23 @@ def main() -> None:
                    "--cache-dir", str(cache), "--log-level", "warning", *options]
         if args.tree_binding:
             command += ["--fuse-binding", args.tree_binding]
+        # run in the tree: ``python -m`` puts the working directory first on
+        # the path, before PYTHONPATH
         return Daemon(command, path, log, "the other tree's mount",
                       [sys.executable, "-m", "aifs", "umount", str(path)],
-                      env=dict(os.environ, PYTHONPATH=tree))
+                      env=dict(os.environ, PYTHONPATH=tree), cwd=tree)
 
     def wait(path: Path, timeout: float = 120) -> bool:
         return False if path.name == "lake-other" else this_wait(path, timeout)
 
+    if args.runs < 1:
+        raise SystemExit("--runs must be at least 1")
+    imported = subprocess.run(
+        [sys.executable, "-c", "import aifs; print(aifs.__file__)"], cwd=tree,
+        env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True).stdout.strip()
+    if not imported.startswith(tree + os.sep):
+        raise SystemExit(f"the other side would import {imported}, not {tree}'s aifs")
+    print(f"other: {imported}", file=sys.stderr)
     rows.Mount, rows.wait_admitted = mount, wait  # type: ignore[assignment]
     lake = rows.Lake(args.lake, endpoint_url=args.endpoint_url)
     server = rows.Server(lake)
