@@ -4,7 +4,7 @@ A block read cold is received from the lake, handed to the kernel as READ
 replies and written to the block cache with O_DIRECT, which wants a buffer
 aligned to the disk's block. Received into a Python object, every byte was
 copied once more into an aligned buffer for the cache write (12% of a cold
-read's CPU, ``tests/bench/cpu_per_gib.py``), and into pages the kernel had
+read's CPU, ``aifs bench --lake``), and into pages the kernel had
 to fault in and zero for each new body. A body received here is a view of
 the start of an anonymous mapping (page-aligned): the cache writes it as it
 is, and the mapping is used again once no view of it is left.

@@ -237,7 +237,7 @@ def keep_freed_memory() -> None:
     the heap back), and the kernel faults in and zeroes new pages as a body
     is received into them: on a machine whose free memory goes back to its
     hypervisor that cost 0.1-0.2 CPU-s per GiB read cold (1.50 -> 1.34 in
-    ``tests/bench/cpu_per_gib.py``). Up to TRIM_THRESHOLD freed bytes may
+    ``aifs bench --lake``). Up to TRIM_THRESHOLD freed bytes may
     stay with the process per malloc arena."""
     try:
         libc = ctypes.CDLL(None)  # (the process's own symbols: libc's among them)

@@ -180,7 +180,8 @@ def test_the_lake_rows_count_a_copy_only_where_one_was_made(tmp_path, monkeypatc
     monkeypatch.setattr(lake, "drop_caches", lambda: None)
     monkeypatch.setattr(lake.shutil, "which", lambda name: None)
     server = _FakeServer()
-    result = lake.run(lake.Lake("s3://b/p"), server, 16 << 20, 3,  # type: ignore[arg-type]
+    server.lake = lake.Lake("s3://b/p")  # type: ignore[attr-defined]
+    result = lake.run(server, 16 << 20, 3,  # type: ignore[arg-type]
                       ["kernel", "uring", "pyfuse3"], tmp_path, progress=False)
     assert server.objects == set()
     assert sorted(waited) == ["kernel"] * 3 + ["uring"] * 3
@@ -194,6 +195,6 @@ def test_the_lake_rows_count_a_copy_only_where_one_was_made(tmp_path, monkeypatc
         raise lake.ConfigError("bench: a read failed")
     monkeypatch.setattr(lake, "read_with_cpu", fails)
     with pytest.raises(lake.ConfigError):
-        lake.run(lake.Lake("s3://b/p"), server, 16 << 20, 1, ["kernel"], tmp_path,  # type: ignore[arg-type]
+        lake.run(server, 16 << 20, 1, ["kernel"], tmp_path,  # type: ignore[arg-type]
                  progress=False)
     assert server.objects == set()

@@ -104,8 +104,8 @@ def main(size: int, files: int, runs: int, bindings: list[str], work_dir: str | 
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         lake_result = None
         try:
-            if lake is not None and server is not None:  # first: it needs the lake to answer
-                lake_result = lake_rows.run(lake, server, size, runs, bindings, work,
+            if server is not None:  # first: it needs the lake to answer
+                lake_result = lake_rows.run(server, size, runs, bindings, work,
                                             progress=not as_json)
             result = nvme.run(size, files, runs, bindings, work, progress=not as_json)
         except OSError as exc:  # a full work disk, a daemon gone: after the cleanup above

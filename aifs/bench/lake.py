@@ -81,6 +81,7 @@ class Server:
     of boto3 is one line (a ConfigError)."""
 
     def __init__(self, lake: Lake) -> None:
+        self.lake = lake
         config = load_config(lake.config, {"lake": lake.url, "endpoint_url": lake.endpoint_url,
                                            "region": lake.region, "profile": lake.profile})
         parsed = urlparse(config.resolved_lake())
@@ -200,7 +201,7 @@ def write_random(path: Path, size: int) -> None:
             left -= chunk
 
 
-def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], work: Path,
+def run(server: Server, size: int, runs: int, bindings: list[str], work: Path,
         progress: bool = True) -> dict[str, Any]:
     s3fs = shutil.which("s3fs")
     sides = ["boto3", *(["s3fs"] if s3fs else []), *bindings]
@@ -211,9 +212,8 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
     cpu: dict[str, list[float]] = {}
     copy_cpu: dict[str, list[float]] = {}
     again: dict[str, list[tuple[float, float]]] = {}
-    copies: dict[str, int] = {}
     source = work / NAME
-    options = lake.mount_options() + ["--cache-size", str(max(4 * size, 256 * MiB))]
+    options = server.lake.mount_options() + ["--cache-size", str(max(4 * size, 256 * MiB))]
     steps = tqdm(total=runs * len(sides), desc="aifs bench: lake", unit="side",
                  disable=not progress)
     try:
@@ -252,7 +252,6 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
                                 copy_cpu.setdefault(side, []).append(
                                     (daemon_cpu(mount.proc.pid) - before) / gib)
                         if copied:  # else a read again would not be from the NVMe tier
-                            copies[side] = copies.get(side, 0) + 1
                             again.setdefault(side, []).append(
                                 read_with_cpu(mount.path / NAME, mount.proc.pid, size))
                     finally:
@@ -274,7 +273,7 @@ def run(lake: Lake, server: Server, size: int, runs: int, bindings: list[str], w
         "seconds_again": {side: statistics.median(s for s, _ in v) for side, v in again.items()},
         "daemon_cpu_s_per_gib_again": {side: statistics.median(c / gib for _, c in v)
                                        for side, v in again.items()},
-        "runs_with_a_local_copy": {side: copies.get(side, 0) for side in bindings},
+        "runs_with_a_local_copy": {side: len(again.get(side, ())) for side in bindings},
     }
 
 

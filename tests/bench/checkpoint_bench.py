@@ -59,6 +59,7 @@ from common import (  # noqa: E402
 )
 from conftest import delete_prefix, file_digest  # noqa: E402
 
+from aifs.bench.mounts import daemon_cpu  # noqa: E402
 from aifs.config import parse_size  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -246,13 +247,6 @@ def cpu_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as fp:
-        fields = fp.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def server_pids(server: conftest.S3Server | None, work: Path) -> list[int]:
     """The S3 server's processes: the Ceph daemons started with our config, or the
     moto server on our port."""
@@ -291,7 +285,7 @@ def training_loop(sd: dict[str, torch.Tensor], directory: Path, args: argparse.N
         total = 0.0
         for pid in group:
             with contextlib.suppress(OSError):
-                total += process_cpu(pid)
+                total += daemon_cpu(pid)
         return total
 
     for index in range(args.saves):

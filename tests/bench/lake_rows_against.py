@@ -75,7 +75,7 @@ def main() -> None:
     server.check()
     work = Path(tempfile.mkdtemp(prefix="aifs-against-", dir=args.work_dir))
     try:
-        result = rows.run(lake, server, parse_size(args.size), args.runs,
+        result = rows.run(server, parse_size(args.size), args.runs,
                           [*(args.bindings or ["kernel"]), "other"], work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -358,10 +358,9 @@ class Native:
         """Directory ``ino``, and the files in it."""
         if self.delegated.pop(ino, None) is not None:
             self.front.recall(ino)
-        files = self.dir_files.pop(ino, None)
+        files = [file for file in self.dir_files.pop(ino, ())
+                 if self.files.pop(file, None) is not None]
         if files:
-            for file in files:
-                del self.files[file]
             self._recall_files(files)
 
     def take_back_all(self) -> None:
