@@ -25,11 +25,17 @@ import ctypes
 import mmap
 import sys
 import threading
+from typing import Any
 
 PAGE = mmap.PAGESIZE
 POOL_BYTES = 384 << 20  # mappings kept for reuse, at most (see limit)
 POOL_HEADROOM = 128 << 20  # beyond the memory cache: bodies on their way to it
 MIN_SIZE = 1 << 20  # smaller bodies are not worth a mapping of their own
+
+#: bytes as received (a GET's body, a block) and handed on: bytes, or the buffer
+#: they were received into (a view of a mapping here, a bytearray), never
+#: written to after
+Body = bytes | bytearray | memoryview
 
 _lock = threading.Lock()
 _pool: dict[int, list] = {}  # id(mapping) -> [mapping, its address, length taken]
@@ -55,7 +61,7 @@ def _calibrate() -> int | None:
     live view does not raise it by one (then nothing is reused)."""
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
         return None
-    entry = [mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE), 0, 0]
+    entry: list[Any] = [mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE), 0, 0]
     idle = _refs(entry)
     view = memoryview(entry[0])[:1]
     held = _refs(entry)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aifs import __version__, xattrs
 from aifs.errors import AifsError, ConfigError
+from aifs.mount_options import mount_arguments
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -23,72 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"aifs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    mount = sub.add_parser("mount", help="mount a lake",
-                           usage="aifs mount [LAKE_URL] MOUNTPOINT [options]")
-    mount.add_argument("targets", nargs="*", metavar="[LAKE_URL] MOUNTPOINT",
-                       help="both may come from the config file instead")
-    mount.add_argument("--config", "-c", help="TOML configuration file")
-    mount.add_argument("--foreground", "-f", action="store_true", default=None,
-                       help="stay in the foreground")
-    mount.add_argument("--cache-dir")
-    mount.add_argument("--cache-size", help="e.g. 20G")
-    mount.add_argument("--block-size", help="e.g. 8M")
-    mount.add_argument("--memory-cache", help="e.g. 256M")
-    mount.add_argument("--readahead-max", help="e.g. 128M")
-    mount.add_argument("--kernel-readahead", help="e.g. 16M")
-    mount.add_argument("--metadata-ttl", type=float, help="seconds")
-    mount.add_argument("--endpoint-url")
-    mount.add_argument("--region")
-    mount.add_argument("--profile")
-    mount.add_argument("--path-style", choices=["true", "false"])
-    mount.add_argument("--sign-payload", choices=["true", "false"])
-    mount.add_argument("--max-connections", type=int)
-    mount.add_argument("--request-timeout", type=float)
-    mount.add_argument("--retries", type=int)
-    mount.add_argument("--promote-delay", type=float, help="seconds")
-    mount.add_argument("--promote-workers", type=int)
-    mount.add_argument("--multipart-threshold", help="e.g. 16M")
-    mount.add_argument("--part-size", help="e.g. 8M")
-    mount.add_argument("--parts-in-flight", type=int)
-    mount.add_argument("--promote-busy-rate", help="bytes/s, e.g. 32M; 0: never slowed")
-    mount.add_argument("--pack-threshold", help="e.g. 1M; 0 packs nothing")
-    mount.add_argument("--pack-size", help="e.g. 64M")
-    mount.add_argument("--pack-wait", type=float, help="seconds")
-    mount.add_argument("--pack-compact-below", type=float, help="live share, 0 to 1")
-    mount.add_argument("--pack-gc-grace", type=float, help="seconds")
-    mount.add_argument("--fold-shard-records", type=int, help="records per shard of a fold")
-    mount.add_argument("--stale-upload-age", type=float, help="seconds")
-    mount.add_argument("--fsync", choices=["local", "lake"])
-    mount.add_argument("--direct-writes", choices=["true", "false"])
-    mount.add_argument("--object-attrs", choices=["true", "false"])
-    mount.add_argument("--dir-prefetch", choices=["true", "false"])
-    mount.add_argument("--fuse-binding", choices=["auto", "kernel", "pyfuse3"])
-    mount.add_argument("--passthrough", choices=["true", "false"])
-    mount.add_argument("--fuse-poll-us", type=int, help="microseconds; 0: never poll")
-    mount.add_argument("--fuse-transport", choices=["dev", "uring"])
-    mount.add_argument("--fuse-native", choices=["true", "false"])
-    mount.add_argument("--list-ahead", type=int, help="subdirectories; 0: none")
-    mount.add_argument("--policy", dest="policy_rules", action="append", default=None,
-                       metavar="PATTERN=POLICY", help="a policy rule (repeatable)")
-    mount.add_argument("--staging-hold", type=float, help="seconds")
-    mount.add_argument("--checkpoint-keep", type=int)
-    mount.add_argument("--stream-checkpoints", choices=["auto", "true", "false"])
-    mount.add_argument("--stream-large-files", choices=["auto", "true", "false"])
-    mount.add_argument("--stream-parts-in-flight", type=int)
-    mount.add_argument("--allow-other", action="store_true", default=None)
-    mount.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this "
-                       "port (127.0.0.1 unless --metrics-address)")
-    mount.add_argument("--metrics-address")
-    mount.add_argument("--unmount-timeout", type=float, help="seconds")
-    mount.add_argument("--log-level")
-    mount.add_argument("--log-file")
-    mount.add_argument("--log-format", choices=["text", "json"])
-    mount.add_argument("-o", dest="fuse_options", action="append", default=None,
-                       help="FUSE mount options")
-    mount.add_argument("--clear-dead-mount", action="store_true",
-                       help="detach a dead aifs mount (its daemon killed) on MOUNTPOINT "
-                       "instead of refusing; the systemd unit restarts with it")
+    mount_arguments(sub.add_parser("mount", help="mount a lake",
+                                    usage="aifs mount [LAKE_URL] MOUNTPOINT [options]"))
+    _other_commands(sub)
+    return parser
 
+
+def _other_commands(sub: Any) -> None:
     umount = sub.add_parser("umount", help="promote pending changes, unmount and wait for "
                             "the daemon to exit")
     umount.add_argument("mountpoint")
@@ -139,7 +81,6 @@ def _parser() -> argparse.ArgumentParser:
     from aifs import bench
     bench.add_arguments(sub.add_parser("bench", help="the standard workloads on temporary "
                                        "mounts beside the local disk: one ratio table (root)"))
-    return parser
 
 
 def _mount(args: argparse.Namespace) -> int:
@@ -161,7 +102,7 @@ def _mount(args: argparse.Namespace) -> int:
         "pack_threshold", "pack_size", "pack_wait", "pack_compact_below", "pack_gc_grace",
         "fold_shard_records", "stale_upload_age",
         "object_attrs", "dir_prefetch", "list_ahead", "fuse_binding", "passthrough",
-        "fuse_poll_us", "fuse_transport", "fuse_native",
+        "fuse_poll_us",
         "policy_rules", "staging_hold",
         "checkpoint_keep",
         "stream_checkpoints", "stream_large_files", "stream_parts_in_flight",

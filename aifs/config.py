@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aifs.errors import ConfigError
 from aifs.policy import DEFAULT_MARKERS, DEFAULT_STAGING, Policies
+
+log = logging.getLogger(__name__)
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
@@ -135,19 +139,6 @@ class Config:
                                 "while requests come that close together, before it "
                                 "sleeps (a woken CPU costs more than the poll); 0: never.",
                                 "int")
-    fuse_transport: str = _option("dev", "With the kernel binding: how requests come and "
-                                  "go: 'dev' (reads and writes of /dev/fuse) or 'uring' "
-                                  "(FUSE over io_uring: one ring per CPU, each request "
-                                  "answered on its caller's CPU; needs Linux 6.14+ with "
-                                  "the fuse module's enable_uring on, else 'dev').")
-    fuse_native: bool = _option(True, "With the kernel binding: read requests in C, which "
-                                "answers those whose answer is fixed (IOCTL, GETXATTR of "
-                                "names outside user.*) and root's creates of files in "
-                                "directories this node just made without Python, and the "
-                                "stat, opens for reading (passthrough) and closes of "
-                                "those files once closed (each journaled before it is "
-                                "answered); false, or a build "
-                                "without a C compiler: all in Python.", "bool")
     dir_prefetch: bool = _option(True, "Fetch the rest of a directory of small objects "
                                  "ahead of readers going through it (a first epoch, in "
                                  "order or shuffled), many GETs at once; what is fetched "
@@ -271,9 +262,6 @@ class Config:
                               "parts_in_flight must be at least 1")
         if not 0 <= self.fuse_poll_us <= 10_000:
             raise ConfigError("fuse_poll_us must be between 0 and 10000")
-        if self.fuse_transport not in ("dev", "uring"):
-            raise ConfigError("fuse_transport must be 'dev' or 'uring', not "
-                              f"{self.fuse_transport!r}")
         if self.fuse_binding not in ("auto", "kernel", "pyfuse3"):
             raise ConfigError("fuse_binding must be 'auto', 'kernel' or 'pyfuse3', not "
                               f"{self.fuse_binding!r}")
@@ -308,6 +296,14 @@ class Config:
                               "pack_gc_grace and stale_upload_age must not be negative")
 
 
+#: options an earlier release had, with why they went: a file that still names
+#: one mounts (with a warning), as it did
+REMOVED = {
+    "fuse_native": "the C read loop is gone: every request is answered in Python",
+    "fuse_transport": "FUSE over io_uring is gone: requests come on /dev/fuse",
+}
+
+
 def option_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(Config))
 
@@ -333,7 +329,7 @@ def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
 
 
 def load_config(config_file: str | None, overrides: dict[str, Any],
-                environ: dict[str, str] | None = None) -> Config:
+                environ: Mapping[str, str] | None = None) -> Config:
     """Build a Config from defaults < TOML file < AIFS_* variables < overrides."""
     environ = os.environ if environ is None else environ
     cfg = Config()
@@ -348,6 +344,10 @@ def load_config(config_file: str | None, overrides: dict[str, Any],
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
         for name, value in data.items():
             key = name.replace("-", "_")
+            if key in REMOVED:
+                log.warning("%s: option %r was removed (%s); ignored", config_file, name,
+                            REMOVED[key])
+                continue
             if key not in fields:
                 raise ConfigError(f"{config_file}: unknown option {name!r}")
             setattr(cfg, key, _convert(fields[key], value, config_file))

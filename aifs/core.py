@@ -21,13 +21,13 @@ from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
+from aifs.figures import Figures
 from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.lake.counting import CountingStore
 from aifs.meta.store import Inode, MetaStore
 from aifs.metrics import Metrics
 from aifs.pack.compaction import Compactor
-from aifs.posix.adopted import JOURNAL, Adopted
 from aifs.posix.control import Control
 from aifs.posix.direct import Direct
 from aifs.posix.files import Files
@@ -38,18 +38,15 @@ from aifs.posix.moves import Moves
 from aifs.posix.namespace import Namespace
 from aifs.posix.reads import Reads
 from aifs.posix.recovery import Recovery
+from aifs.posix.tally import Tally
 from aifs.posix.writes import SetAttributes, Writes
 from aifs.read.attrs import ObjectAttributes
 from aifs.read.fetcher import BlockFetcher
 from aifs.read.scan import DirectoryPrefetch
 
-__all__ = ["Attributes", "Filesystem", "SetAttributes"]
+__all__ = ["Attributes", "Filesystem", "Inode", "PlainEntries", "SetAttributes"]
 
 DIR_PREFETCH_BYTES = 256 << 20  # most bytes of a directory fetched ahead of its readers
-
-
-def _counter(name: str) -> property:
-    return property(lambda self: getattr(self.inodes.counters, name))
 
 
 class Filesystem:
@@ -95,17 +92,17 @@ class Filesystem:
                       self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,
                                    store, meta, self.packer, self.promoter, self.checkpoints)
-        self.adopted = Adopted(inodes, self.namespace, self.open_files, self.checkpoints,
-                               self.promoter)
         self.control = Control(inodes, config, meta, cache, self.fetcher, self.reads,
                                self.listings, self.hosting, self.promoter, self.compactor,
                                self.checkpoints, self.object_attrs, self.dir_prefetch,
                                lambda: self.metrics.snapshot())
         self.recovery = Recovery(meta, local)
-        local.in_use, local.kept = inodes.is_open, inodes.copy_in_use
+        self.tally = Tally(config, store, cache, local, meta, inodes, self.fetcher, self.promoter,
+                           self.checkpoints, self.recovery, self.dir_prefetch, self.object_attrs)
+        local.in_use = inodes.is_open
         cache.others = lambda: local.used
         self.fetcher.make_room = self.writes.room_for_blocks
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.figures)
 
     def start(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self.local.spares_while_running)
@@ -118,21 +115,16 @@ class Filesystem:
         nursery.start_soon(self.direct.admissions.run)
         nursery.start_soon(self.compactor.run)
         nursery.start_soon(self.inodes.save_dir_times_now_and_then)
-        nursery.start_soon(self.metrics.run)
+        nursery.start_soon(self.tally.run)  # samples for the throughput figures
 
     def recover(self) -> None:
-        """At mount: apply a binding's journal, then reconcile copies with metadata."""
-        self.adopted.replay(self.local.root.parent / JOURNAL)
+        """At mount: reconcile local copies with metadata after any exit."""
         self.recovery.recover()
 
     # -- counters and state others read (metrics, status, tests) ---------------------
-    write_requests = _counter("write_requests")
-    write_bytes = _counter("write_bytes")
-    read_requests = _counter("read_requests")
-    read_bytes = _counter("read_bytes")
-    local_reads = _counter("local_reads")
-    lookup_requests = _counter("lookup_requests")
-    disk_full = _counter("disk_full")
+    def figures(self) -> Figures:
+        """What the mount counts, one snapshot of values (posix.tally): all metrics sees."""
+        return self.tally.figures()
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -229,7 +221,7 @@ class Filesystem:
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         return await self.reads.read(fh, offset, size)
 
-    async def write(self, fh: int, offset: int, data: bytes) -> int:
+    async def write(self, fh: int, offset: int, data: bytes | memoryview) -> int:
         return await self.writes.write(fh, offset, data)
 
     async def setattr(self, ino: int, changes: SetAttributes, fh: int | None = None) -> Inode:

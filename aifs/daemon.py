@@ -79,7 +79,9 @@ def enable_stack_dumps() -> None:
     out = next((h.stream for h in logging.getLogger().handlers
                 if isinstance(h, logging.FileHandler)), sys.stderr)
     try:
-        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+        # (a FileHandler opened with delay has no stream yet: None, for which
+        # faulthandler takes sys.stderr itself)
+        faulthandler.register(signal.SIGUSR1, file=out or sys.stderr, all_threads=True)
     except (AttributeError, ValueError, OSError) as exc:  # no fileno: no dumps
         log.debug("no stack dumps on SIGUSR1: %s", exc)
 

@@ -4,8 +4,11 @@ format (written by ``prometheus_client``), for an optional HTTP endpoint
 bound to 127.0.0.1.
 
 The figures are counters the layers keep anyway (the fetcher's hits and
-misses, the promoter's uploads, the lake wrapper's requests); this module only
-gathers them, samples byte totals once a second for throughput, and renders.
+misses, the promoter's uploads, the lake wrapper's requests); the facade
+gathers them into one :class:`~aifs.figures.Figures` per request
+(:meth:`aifs.core.Filesystem.figures`, handed to :class:`Metrics` as a
+callable) and this module only renders it: it sees those values, never the
+filesystem's parts (nothing here imports ``aifs.core`` or ``aifs.posix``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
 import trio
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -23,134 +26,38 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from aifs import __version__
-from aifs.cache.blocks import CLASSES
-from aifs.lake.counting import OPERATIONS, CountingStore
-
-if TYPE_CHECKING:
-    from aifs.core import Filesystem
+from aifs.figures import Figures
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW = 10.0  # seconds of history behind the throughput figures
-SAMPLE_EVERY = 1.0
 TIERS = ("memory", "blocks", "files")
 
 
 class Metrics:
-    def __init__(self, fs: Filesystem) -> None:
-        self.fs = fs
-        self.store: CountingStore = fs.store
+    """What ``aifs status`` and the endpoint show: the figures ``figures``
+    returns (called once per snapshot), with the facts of this process."""
+
+    def __init__(self, figures: Callable[[], Figures]) -> None:
+        self.figures = figures
         self.started = time.time()
         self.url = ""  # of the HTTP endpoint, once it serves
-        self._local_policy: dict[int, str] = {}  # ino of a local copy -> its policy
-        self._policies_seen = -1
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
         self.registry = registry_of(self.snapshot)  # what /metrics exposes
 
-    # -- throughput ------------------------------------------------------
-    def _totals(self) -> dict[str, int]:
-        fs, store = self.fs, self.store
-        return {"read_bytes": fs.read_bytes, "write_bytes": fs.write_bytes,
-                "lake_read_bytes": store.bytes_read, "lake_written_bytes": store.bytes_written}
-
-    def sample(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._samples.append((now, self._totals()))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW:
-            self._samples.popleft()
-
-    async def run(self) -> None:
-        """Sample byte totals once a second (for the throughput figures)."""
-        while True:
-            self.sample()
-            await trio.sleep(SAMPLE_EVERY)
-
-    def rates(self) -> dict[str, float]:
-        """Bytes per second over the last ``RATE_WINDOW`` seconds."""
-        now = time.monotonic()
-        current = self._totals()
-        if not self._samples or now - self._samples[0][0] <= 0:
-            return {f"{name}_per_s": 0.0 for name in current}
-        then, old = self._samples[0]
-        return {f"{name}_per_s": round((value - old[name]) / (now - then), 1)
-                for name, value in current.items()}
-
-    # -- the snapshot ----------------------------------------------------
-    def _bytes_by_policy(self) -> dict[str, int]:
-        fs = self.fs
-        by_policy: Counter[str] = Counter(
-            {p: n for p, n in fs.cache.by_policy.items() if n > 0})
-        if self._policies_seen != fs.checkpoints.generation:
-            self._policies_seen = fs.checkpoints.generation
-            self._local_policy.clear()
-        sizes = fs.local.sizes()
-        for ino, size in sizes.items():
-            policy = self._local_policy.get(ino)
-            if policy is None:  # once per local file, not once per scrape
-                inode = fs.meta.get(ino)
-                policy = fs.checkpoints.policy_of(inode) if inode is not None else "default"
-                self._local_policy[ino] = policy
-            by_policy[policy] += size
-        if len(self._local_policy) > 2 * len(sizes) + 1000:
-            self._local_policy = {ino: self._local_policy[ino] for ino in sizes
-                                  if ino in self._local_policy}
-        return dict(sorted(by_policy.items()))
-
     def snapshot(self) -> dict[str, Any]:
-        fs = self.fs
-        fetched, promoted, store = fs.fetcher.stats, fs.promoter.stats, self.store
-        hits = {"memory": fetched.memory_hits, "disk": fetched.disk_hits,
-                "local": fs.local_reads}
-        served = sum(hits.values()) + fetched.misses
-        queue = fs.promoter.summary()
+        figures = self.figures()
         return {
             "version": __version__,
             "pid": os.getpid(),
-            "lake_url": fs.config.resolved_lake(),
+            "lake_url": figures.lake_url,
             "uptime_s": round(time.time() - self.started, 1),
             "metrics_url": self.url,
-            "cache": {
-                "capacity_bytes": fs.cache.capacity,
-                "bytes": {"memory": fs.fetcher.memory_used, "blocks": fs.cache.used,
-                          "files": fs.local.used},
-                "dirty_bytes": fs.local.dirty_bytes,
-                "by_policy": self._bytes_by_policy(),
-                "by_class": {c: max(0, fs.cache.by_class[c]) for c in CLASSES},
-                "refused": fs.cache.refused,
-                "hits": hits,
-                "misses": fetched.misses,
-                "hit_ratio": round(sum(hits.values()) / served, 4) if served else 0.0,
-                "evictions": fs.cache.evictions + fs.local.evictions,
-                "disk_full": fs.disk_full,
-            },
-            "recovered": {"directory": str(fs.recovery.recovered_dir),
-                          "files": fs.recovery.recovered_files},
-            "promotion": {
-                "pending_files": queue["files"], "pending_bytes": queue["bytes"],
-                "pending_deletes": queue["deletes"], "uploading": queue["uploading"],
-                "oldest_age_s": queue["oldest_age"],
-                "uploads": promoted.uploads, "upload_bytes": promoted.upload_bytes,
-                "deletes": promoted.deletes, "metadata_updates": promoted.metadata_updates,
-                "failures": promoted.failures,
-            },
-            "lake": {
-                "requests": {op: store.requests[op] for op in OPERATIONS},
-                "errors": {op: store.errors[op] for op in OPERATIONS},
-                "request_seconds": {op: round(store.seconds[op], 3) for op in OPERATIONS},
-                "retries": store.retries,
-                "read_bytes": store.bytes_read,
-                "written_bytes": store.bytes_written,
-            },
-            "fs": {
-                "read_requests": fs.read_requests, "read_bytes": fs.read_bytes,
-                "write_requests": fs.write_requests, "write_bytes": fs.write_bytes,
-                "lookup_requests": fs.lookup_requests, "open_files": len(fs.files),
-            },
-            "prefetch": {"directory_scans": fs.dir_prefetch.scans,
-                         "directory_objects": fs.dir_prefetch.fetched,
-                         "directory_peak_bytes": fs.dir_prefetch.peak_bytes,
-                         "attributes_ahead": fs.object_attrs.read_ahead},
-            "throughput": self.rates(),
+            "cache": asdict(figures.cache),
+            "recovered": asdict(figures.recovered),
+            "promotion": asdict(figures.promotion),
+            "lake": asdict(figures.lake),
+            "fs": asdict(figures.fs),
+            "prefetch": asdict(figures.prefetch),
+            "throughput": asdict(figures.throughput),
         }
 
 

@@ -58,11 +58,8 @@ def _options() -> dict[str, str]:
 
 def _mount_flags() -> set[str]:
     """The option strings ``aifs mount`` accepts."""
-    import argparse
-
-    from aifs.cli import _parser
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {flag for action in sub.choices["mount"]._actions for flag in action.option_strings}
+    from aifs.mount_options import mount_options
+    return {flag for strings in mount_options() for flag in strings}
 
 
 def mount_command(argv: list[str], aifs: str = "aifs"

@@ -26,7 +26,6 @@ import pytest
 import xxhash
 
 from aifs.cli import process_alive  # noqa: F401  (re-exported for the tests)
-from aifs.fuse.kernel import uring
 
 REPO = Path(__file__).resolve().parent.parent
 HELPER = REPO / "mount" / "mount.aifs"  # mount(8)'s and umount(8)'s helper
@@ -324,44 +323,12 @@ class Mount:
         return self.log.read_text(errors="replace")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """The fuse module's ``enable_uring`` on for the whole run (root), put
-    back at its end. Switched here, by the run's controller, and not test by
-    test: the tests run in several worker processes (pytest-xdist), and one
-    worker putting it back while another mounts over io_uring would fail
-    that mount."""
-    if hasattr(config, "workerinput"):  # a worker: its controller switched it
-        return
-    stack = contextlib.ExitStack()
-    config.add_cleanup(stack.close)
-    with contextlib.suppress(OSError):  # not root, or no such parameter: tests skip
-        stack.enter_context(uring.switched_on())
-
-
 @pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default, in pyproject.toml): one worker per CPU, at
     most 4 (each worker starts its own moto and Ceph servers);
     ``AIFS_TEST_WORKERS`` sets it."""
     return int(os.environ.get("AIFS_TEST_WORKERS") or min(os.cpu_count() or 1, 4))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def uring_for_the_run() -> None:
-    """``AIFS_FUSE_TRANSPORT=uring`` (a CI run on FUSE over io_uring): a run
-    that asks for it where it cannot be had stops, rather than pass on
-    /dev/fuse."""
-    if os.environ.get("AIFS_FUSE_TRANSPORT") == "uring" and not uring.enabled():
-        pytest.exit("AIFS_FUSE_TRANSPORT=uring, but FUSE over io_uring cannot be enabled "
-                    "here (fuse.enable_uring is off and cannot be switched on)", returncode=2)
-
-
-@pytest.fixture
-def uring_enabled() -> None:
-    """The fuse module's ``enable_uring``, which the run switched on (see
-    :func:`pytest_configure`), is on: else the test is skipped."""
-    if not uring.enabled():
-        pytest.skip("fuse.enable_uring is off and could not be switched on")
 
 
 TEST_TIMEOUT = float(os.environ.get("AIFS_TEST_TIMEOUT", "900"))

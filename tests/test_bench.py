@@ -158,12 +158,12 @@ def test_the_lake_rows_count_a_copy_only_where_one_was_made(tmp_path, monkeypatc
     from aifs.bench import lake
 
     waited: list[str] = []
-    copies = {"kernel": iter([True, False, True]), "uring": iter([False] * 3)}
+    copies = {"kernel": iter([True, False, True])}
 
     class FakeMount:
         def __init__(self, url, path, cache, side, log, options) -> None:
             self.path, self.side = path, side
-            self.proc = type("P", (), {"pid": {"kernel": 1, "uring": 2, "pyfuse3": 3}[side]})
+            self.proc = type("P", (), {"pid": {"kernel": 1, "pyfuse3": 3}[side]})
 
         def stop(self) -> None:
             pass
@@ -182,13 +182,13 @@ def test_the_lake_rows_count_a_copy_only_where_one_was_made(tmp_path, monkeypatc
     server = _FakeServer()
     server.lake = lake.Lake("s3://b/p")  # type: ignore[attr-defined]
     result = lake.run(server, 16 << 20, 3,  # type: ignore[arg-type]
-                      ["kernel", "uring", "pyfuse3"], tmp_path, progress=False)
+                      ["kernel", "pyfuse3"], tmp_path, progress=False)
     assert server.objects == set()
-    assert sorted(waited) == ["kernel"] * 3 + ["uring"] * 3
-    assert result["runs_with_a_local_copy"] == {"kernel": 2, "uring": 0, "pyfuse3": 0}
+    assert sorted(waited) == ["kernel"] * 3
+    assert result["runs_with_a_local_copy"] == {"kernel": 2, "pyfuse3": 0}
     assert set(result["daemon_cpu_s_per_gib_copy"]) == {"kernel"}
     assert set(result["daemon_cpu_s_per_gib_again"]) == {"kernel"}
-    assert set(result["seconds"]) == {"boto3", "kernel", "uring", "pyfuse3"}
+    assert set(result["seconds"]) == {"boto3", "kernel", "pyfuse3"}
     assert "no local copy made" in table(result)
 
     def fails(path, pid, size):

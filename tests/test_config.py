@@ -50,11 +50,8 @@ def test_readme_lists_every_option():
 
 def _mount_options() -> list[list[str]]:
     """The option strings of each ``aifs mount`` option (``["--foreground", "-f"]``)."""
-    import argparse
-
-    from aifs.cli import _parser
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return [a.option_strings for a in sub.choices["mount"]._actions if a.option_strings]
+    from aifs.mount_options import mount_options
+    return mount_options()
 
 
 def test_readme_rows_match_the_code_and_the_command_line():

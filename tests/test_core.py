@@ -186,6 +186,34 @@ async def test_changes_survive_a_crash(tmp_path):
     assert (lake / "kept").read_bytes() == b"closed before the crash"
 
 
+@pytest.mark.parametrize("journal", [b"records", None])
+def test_files_an_earlier_c_loop_created_are_kept_at_mount(tmp_path, journal):
+    """An earlier release answered some creates in C and journaled them for
+    the metadata (``native-journal`` in the cache directory); this one cannot
+    apply that journal. A local copy the metadata does not know is then kept
+    in the recovery directory, where it would otherwise be dropped as a
+    leftover (as it still is where no such journal is left)."""
+    config = Config(lake=f"file://{tmp_path}/lake", cache_size=64 * MiB)
+    (tmp_path / "lake").mkdir()
+    unknown = 1_000_001  # a number no create here took
+    (tmp_path / "cache" / "files").mkdir(parents=True)  # as the earlier daemon left it
+    (tmp_path / "cache" / "files" / str(unknown)).write_bytes(b"closed under the C loop")
+    if journal is not None:
+        (tmp_path / "cache" / "native-journal").write_bytes(journal)
+    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.recover()
+    kept = list((tmp_path / "cache" / "recovered").glob(f"*/{unknown}"))
+    if journal is None:
+        assert kept == []
+    else:
+        assert [p.read_bytes() for p in kept] == [b"closed under the C loop"]
+        assert not (tmp_path / "cache" / "native-journal").exists()
+    assert not fs.local.path(unknown).exists()
+    fs.meta.env.close()
+
+
 async def test_keep_cache_only_for_unchanged_objects(fs, tmp_path):
     small = await fs.lookup(ROOT_INO, b"small")
     fh1, keep1 = await fs.open(small.ino, os.O_RDONLY)

@@ -112,7 +112,7 @@ async def test_retries_are_counted_by_cause_in_the_metrics(tmp_path):
     fs = Filesystem(config, store, MetaStore(tmp_path / "meta"),
                     BlockCache(tmp_path / "cache", config.cache_size),
                     LocalFiles(tmp_path / "cache"))
-    text = prometheus_text(Metrics(fs).snapshot())
+    text = prometheus_text(Metrics(fs.figures).snapshot())
     counted = {cause: store.retries[cause] for cause in ("truncated", "throttled")}
     assert all(counted.values()), counted
     for cause, n in counted.items():

@@ -113,3 +113,99 @@ def test_no_module_is_over_600_lines():
 def test_the_facade_holds_no_logic():
     """``core.py`` hands each call to the part of ``aifs.posix`` that owns it."""
     assert len((PACKAGE / "core.py").read_text().splitlines()) <= 300
+
+
+def _all_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every import in ``path``, those under ``if
+    TYPE_CHECKING:`` included; ``name`` is "" for ``import module``."""
+    found: list[tuple[str, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def _package_of(module: str) -> str:
+    """``aifs.posix.files`` -> ``aifs.posix``; ``aifs.core`` -> ``aifs.core``;
+    ``trio._core`` -> ``trio``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "aifs" else parts[0]
+
+
+def private_imports() -> list[str]:
+    """Imports of a private name (``_name``, or a module path through one)
+    from another package, anywhere in aifs/."""
+    offenders = []
+    for name, path in _modules().items():
+        for module, imported in _all_imports(path):
+            if _package_of(module) == _package_of(name):
+                continue  # a package's own private parts are its own
+            if any(part.startswith("_") and not part.startswith("__")
+                   for part in [*module.split("."), imported]):
+                offenders.append(f"{name}: {module} {imported}".strip())
+    return offenders
+
+
+def test_no_private_name_of_another_package_is_imported():
+    """A library's private parts (trio's ``_core``) may change in any release:
+    a library upgrade must not be able to break the filesystem silently."""
+    assert private_imports() == []
+
+
+def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
+    (tmp_path / "aifs").mkdir()
+    (tmp_path / "aifs" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from trio._core._run import GLOBAL_RUN_CONTEXT\n")
+    monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "aifs")
+    assert private_imports() == ["aifs.x: trio._core._run GLOBAL_RUN_CONTEXT"]
+
+
+def test_no_c_source_in_the_package():
+    """Each operation exists once, in Python (a native fast path enters only
+    through the facade, with record layouts generated from one schema)."""
+    suffixes = {".c", ".h", ".cc", ".cpp", ".pyx", ".so"}
+    assert [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*")
+            if p.suffix in suffixes] == []
+
+
+def test_the_bindings_call_only_the_facade():
+    """aifs/fuse/ imports from aifs only the facade (``core``), ``config``,
+    ``errors`` and its own modules, under TYPE_CHECKING too: never
+    ``aifs.posix`` or anything else below the facade."""
+    allowed = {"aifs.core", "aifs.config", "aifs.errors", "aifs.fuse"}
+    offenders = [f"{name}: {module}" for name, path in _modules().items()
+                 if name.startswith("aifs.fuse")
+                 for module, _ in _all_imports(path)
+                 if module.startswith("aifs") and _package_of(module) not in allowed]
+    assert offenders == []
+
+
+def _imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, those under ``if TYPE_CHECKING:`` too
+    (relative imports resolved)."""
+    package = path.relative_to(PACKAGE.parent).parent.parts
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names |= {module} | {f"{module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_metrics_is_fed_by_the_facade():
+    """``aifs.metrics`` renders the figures the facade hands it
+    (``Filesystem.figures``): it imports neither the facade nor the parts
+    behind it, not even for type hints; nor does the module of the figures."""
+    for module in ("metrics.py", "figures.py"):
+        imported = _imported(PACKAGE / module)
+        assert imported, module  # the check sees imports
+        reaching = {name for name in imported
+                    for banned in ("aifs.core", "aifs.posix")
+                    if name == banned or name.startswith(banned + ".")}
+        assert reaching == set(), module

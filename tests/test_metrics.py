@@ -4,16 +4,23 @@ Prometheus text."""
 
 from __future__ import annotations
 
+import os
 import re
+import time
 
 import pytest
 import trio
 
 from aifs.cache.blocks import BlockCache, ObjectVersion
+from aifs.cache.files import LocalFiles
+from aifs.config import Config
+from aifs.core import Filesystem
 from aifs.errors import ObjectNotFound
+from aifs.figures import Figures
 from aifs.lake.counting import CountingStore
 from aifs.lake.local import LocalStore
-from aifs.metrics import prometheus_text
+from aifs.meta.store import ROOT_INO, MetaStore
+from aifs.metrics import Metrics, prometheus_text
 from aifs.read.fetcher import BlockFetcher
 
 
@@ -89,3 +96,70 @@ def test_prometheus_text_is_well_formed():
                             r"[0-9.e+-]+", line), line
     assert 'aifs_lake_requests_total{op="GetObject"} 4.0' in samples  # prometheus_client's floats
     assert 'lake="s3://b/\\"odd\\""' in text
+
+
+#: the keys of the status JSON, section by section, in their order (aifs status
+#: and scripts read them; the Prometheus families are derived from them)
+SHAPE = {
+    "cache": ["capacity_bytes", "bytes", "dirty_bytes", "by_policy", "by_class", "refused",
+              "hits", "misses", "hit_ratio", "evictions", "disk_full"],
+    "recovered": ["directory", "files"],
+    "promotion": ["pending_files", "pending_bytes", "pending_deletes", "uploading",
+                  "oldest_age_s", "uploads", "upload_bytes", "deletes", "metadata_updates",
+                  "failures"],
+    "lake": ["requests", "errors", "request_seconds", "retries", "read_bytes",
+             "written_bytes"],
+    "fs": ["read_requests", "read_bytes", "write_requests", "write_bytes", "lookup_requests",
+           "open_files"],
+    "prefetch": ["directory_scans", "directory_objects", "directory_peak_bytes",
+                 "attributes_ahead"],
+    "throughput": ["read_bytes_per_s", "write_bytes_per_s", "lake_read_bytes_per_s",
+                   "lake_written_bytes_per_s"],
+}
+
+
+async def test_the_snapshot_renders_the_figures_the_facade_hands_out(tmp_path):
+    """Metrics sees only ``Filesystem.figures``: values, gathered below the
+    facade, the policy of each local copy looked up once until the policies
+    change, throughput from the totals sampled once a second."""
+    (tmp_path / "lake").mkdir()
+    config = Config(lake=f"file://{tmp_path}/lake", cache_size=64 << 20)
+    meta, local = MetaStore(tmp_path / "meta"), LocalFiles(tmp_path / "cache")
+    cache = BlockCache(tmp_path / "cache", config.cache_size)
+    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), meta, cache, local)
+    try:
+        fh, _ = await fs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, 0, 0)
+        await fs.write(fh, 0, b"x" * 5000)
+        fs.tally.sample(time.monotonic() - 2)  # two seconds ago, 5000 bytes written
+        await fs.write(fh, 5000, b"x" * 1000)
+        fs.release(fh)
+        asked = []
+        policy_of = fs.checkpoints.policy_of
+        fs.checkpoints.policy_of = lambda inode: asked.append(inode.ino) or policy_of(inode)
+
+        figures = fs.figures()
+        assert isinstance(figures, Figures)
+        assert figures.fs.write_requests == 2 and figures.fs.write_bytes == 6000
+        assert figures.cache.bytes["files"] == figures.cache.dirty_bytes == 6000
+        assert figures.cache.by_policy == {"default": 6000}
+        assert figures.promotion.pending_files == 1
+        assert 400 < figures.throughput.write_bytes_per_s <= 500
+        assert figures.throughput.read_bytes_per_s == 0.0
+        fs.figures()
+        assert len(asked) == 1  # once per local copy, not once per snapshot
+        fs.checkpoints.generation += 1
+        fs.figures()
+        assert len(asked) == 2  # the policies may have changed: asked again
+
+        metrics = Metrics(fs.figures)
+        snapshot = metrics.snapshot()
+        assert list(snapshot) == ["version", "pid", "lake_url", "uptime_s", "metrics_url",
+                                  *SHAPE]
+        assert {section: list(snapshot[section]) for section in SHAPE} == SHAPE
+        assert snapshot["lake_url"] == config.resolved_lake()
+        assert snapshot["fs"]["write_bytes"] == 6000
+        assert "aifs_fs_write_bytes_total 6000.0" in prometheus_text(snapshot)
+    finally:
+        local.close()
+        cache.close()
+        meta.close()

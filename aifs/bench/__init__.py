@@ -9,9 +9,8 @@
   CPU per GiB;
 - :mod:`~aifs.bench.mounts`: the daemons it starts and what it measures with.
 
-Bindings: ``kernel``, ``pyfuse3``, and ``uring`` (the kernel binding over
-FUSE over io_uring: the fuse module's ``enable_uring`` is turned on for the
-run and put back after). Needs root (drops the page cache) and /dev/fuse.
+Bindings: ``kernel`` (aifs's own session on /dev/fuse, with passthrough) and
+``pyfuse3``. Needs root (drops the page cache) and /dev/fuse.
 """
 
 from __future__ import annotations
@@ -43,9 +42,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--files", type=int, default=2000, help="small files of 16 KiB")
     bench.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
     bench.add_argument("--binding", dest="bindings", action="append",
-                       choices=["kernel", "pyfuse3", "uring"],
-                       help="default: kernel and pyfuse3; uring: the kernel binding over "
-                       "FUSE over io_uring")
+                       choices=["kernel", "pyfuse3"], help="default: both")
     bench.add_argument("--work-dir", help="on the disk to compare with (default /var/tmp)")
     bench.add_argument("--json", action="store_true", help="the results as JSON")
     bench.add_argument("--lake", metavar="S3_URL",
@@ -89,13 +86,6 @@ def main(size: int, files: int, runs: int, bindings: list[str], work_dir: str | 
         server = lake_rows.Server(lake)
         server.check()
     with contextlib.ExitStack() as stack:
-        if "uring" in bindings:
-            from aifs.fuse.kernel import uring
-            try:
-                stack.enter_context(uring.switched_on())
-            except OSError as exc:
-                raise ConfigError(f"bench: FUSE over io_uring cannot be enabled here: "
-                                  f"{exc}") from None
         try:
             work = Path(tempfile.mkdtemp(prefix="aifs-bench-", dir=work_dir or "/var/tmp"))
         except OSError as exc:

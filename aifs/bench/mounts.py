@@ -111,18 +111,16 @@ class Daemon:
 
 
 class Mount(Daemon):
-    """``aifs mount LAKE PATH --foreground`` with one binding (``uring``: the
-    kernel binding over FUSE over io_uring) and the mount options ``options``."""
+    """``aifs mount LAKE PATH --foreground`` with one binding and the mount
+    options ``options``."""
 
     def __init__(self, lake: str, path: Path, cache: Path, binding: str, log: Path,
                  options: list[str] | None = None) -> None:
-        env = dict(os.environ, AIFS_FUSE_TRANSPORT="uring" if binding == "uring" else "dev")
         command = [sys.executable, "-m", "aifs", "mount", lake, str(path), "--foreground",
-                   "--cache-dir", str(cache), "--fuse-binding",
-                   "kernel" if binding == "uring" else binding, "--log-level", "warning",
-                   *(options or [])]
+                   "--cache-dir", str(cache), "--fuse-binding", binding, "--log-level",
+                   "warning", *(options or [])]
         super().__init__(command, path, log, f"the {binding} mount",
-                         [sys.executable, "-m", "aifs", "umount", str(path)], env)
+                         [sys.executable, "-m", "aifs", "umount", str(path)])
 
 
 class S3fsMount(Daemon):

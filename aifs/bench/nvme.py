@@ -71,9 +71,9 @@ def opens(root: Path, files: int) -> None:
 
 def torch_rows(root: Path, size: int, files: int, state: Any) -> dict[str, Callable[[], float]]:
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset
 
-    class Samples:
+    class Samples(Dataset[int]):
         def __len__(self) -> int:
             return files
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import xxhash
 
 from aifs import xattrs
+from aifs.buffers import Body
 from aifs.cache.direct import DirectWriter
 from aifs.cache.segments import SMALL, Location, Segments
 from aifs.policy import DATASET, POLICY_XATTR
@@ -184,7 +185,7 @@ class BlockCache:
                     index, version.key)
         self._forget(rel)
 
-    def store(self, version: ObjectVersion, index: int, data: bytes) -> bool:
+    def store(self, version: ObjectVersion, index: int, data: Body) -> bool:
         """Cache a block; False if it was not admitted (or could not be written)."""
         rel = self._rel(version, index)
         path = self.root / rel

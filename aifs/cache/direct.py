@@ -44,7 +44,7 @@ class DirectWriter:
         self._lock = threading.Lock()
         self._free: list[tuple[mmap.mmap, int]] = []  # (buffer, its address), reused
 
-    def write_file(self, path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    def write_file(self, path: str | os.PathLike[str], data: buffers.Body) -> None:
         """Create ``path`` (which must not exist) holding ``data``."""
         if self.enabled:
             try:
@@ -79,7 +79,7 @@ class DirectWriter:
                         pass
         return os.open(path, flags, 0o600)
 
-    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+    def pwrite(self, fd: int, data: buffers.Body, offset: int) -> None:
         """Write ``data`` at ``offset`` (aligned) of a file from :meth:`open`;
         with O_DIRECT, padded with zeros to a whole ``ALIGN``."""
         if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
@@ -141,7 +141,7 @@ class DirectWriter:
             self._give_back(buffer, address)
 
     @contextlib.contextmanager
-    def _aligned(self, data: bytes | memoryview) -> Iterator[memoryview]:
+    def _aligned(self, data: buffers.Body) -> Iterator[memoryview]:
         """``data`` in a reused page-aligned buffer, padded with zeros to a
         whole ``ALIGN`` (a view of the padded length)."""
         if isinstance(data, memoryview):
@@ -168,7 +168,7 @@ class DirectWriter:
             log.info("%s: the filesystem refuses O_DIRECT; cache files are written "
                      "through the page cache", os.path.dirname(path) or ".")
 
-    def _write_direct(self, path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    def _write_direct(self, path: str | os.PathLike[str], data: buffers.Body) -> None:
         with self._aligned(data) as view:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
             try:
@@ -195,14 +195,14 @@ class DirectWriter:
                 self._free.pop(0)
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, data: buffers.Body, offset: int) -> None:
     with memoryview(data) as view:
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _copy_in(address: int, buffer: mmap.mmap, data: bytes | memoryview, size: int) -> None:
+def _copy_in(address: int, buffer: mmap.mmap, data: buffers.Body, size: int) -> None:
     """Copy ``data`` to the buffer; without the GIL where ctypes can see the bytes."""
     if isinstance(data, bytes):
         ctypes.memmove(address, data, size)  # a ctypes call releases the GIL

@@ -43,10 +43,6 @@ class LocalFiles:
     def __init__(self, directory: Path, in_use: Callable[[int], bool] = lambda ino: False,
                  max_open: int = 512, idle: Callable[[], bool] | None = None) -> None:
         self.in_use = in_use  # open through the mount: keep the copy and its descriptor
-        #: copies not to evict: those in use, and those read through the mount
-        #: past the core (the kernel binding's C loop), whose descriptors here
-        #: may close (the kernel holds its own); set by the core
-        self.kept: Callable[[int], bool] = in_use
         self.root = directory / "files"
         self.root.mkdir(parents=True, exist_ok=True)
         self._prefix = f"{self.root}/"  # where copies are named, as a str: opens build no Path
@@ -251,14 +247,6 @@ class LocalFiles:
             raise
         return fd
 
-    def made(self, ino: int, fd: int) -> None:
-        """A new, empty copy someone else made in place (``files/<ino>``, as
-        :meth:`create` would); ``fd`` is kept as its descriptor."""
-        self._drop_fd(ino)
-        self._account(ino, 0)
-        self._fds[ino] = fd
-        self._close_extra()
-
     def adopt(self, ino: int, tmp: Path | str, fd: int = -1, size: int = -1) -> None:
         """Install a fully written temporary file as the copy of ``ino`` (if
         the rename fails nothing changed); ``fd``, an open descriptor of it, is
@@ -331,7 +319,7 @@ class LocalFiles:
         for ino in order:
             if freed >= wanted:
                 break
-            if self.kept(ino):
+            if self.in_use(ino):
                 continue
             freed += self._sizes.get(ino, 0)
             self.remove(ino)

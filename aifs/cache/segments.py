@@ -37,6 +37,7 @@ from pathlib import Path
 
 import xxhash
 
+from aifs.buffers import Body
 from aifs.cache.direct import ALIGN, DirectWriter
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-def checksum(data: bytes | memoryview) -> int:
+def checksum(data: Body) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -145,7 +146,7 @@ class Segments:
 
     # -- storing ------------------------------------------------------------
 
-    def append(self, ident: str, index: int, data: bytes | memoryview, policy: str,
+    def append(self, ident: str, index: int, data: Body, policy: str,
                cls: str) -> Location:
         """Write a block; raises OSError if the disk refuses it."""
         size = len(data)

@@ -365,8 +365,9 @@ class Promoter:
             # a later "obj" record hides it here, but not from the journals).
             self.packer.queue_records([deletion(key, entry.stamp + 1)])
             return
-        fields = {"etag": entry.etag, "pack": entry.pack, "pack_offset": entry.offset,
-                  "checksum": entry.xxh3}
+        # (Any: inode fields of several types, which update's ``closed`` never gets)
+        fields: dict[str, Any] = {"etag": entry.etag, "pack": entry.pack,
+                                  "pack_offset": entry.offset, "checksum": entry.xxh3}
         if current.etag and current.etag != entry.etag:
             # An object of the file's own may be in the lake: deleted now.
             self.meta.add_tombstone(key)

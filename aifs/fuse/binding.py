@@ -129,16 +129,7 @@ class KernelBinding:
         self.session = Session(self.fd, self.ops, self.fs.forget, self.passthrough,
                                max_background=max(12, self.config.max_connections * 2),
                                want_passthrough=self.config.passthrough,
-                               poll=self.config.fuse_poll_us / 1e6,
-                               transport=self.config.fuse_transport,
-                               native=self.config.fuse_native)
-        if self.session.native is not None:
-            native, notify = self.session.native, self.notifier.changed
-
-            def changed(parent: int, names: list[bytes], replaced: list[int]) -> None:
-                native.lake_changed(parent, names, replaced)  # what the C loop holds goes back
-                notify(parent, names, replaced)
-            self.fs.on_lake_changes(changed)
+                               poll=self.config.fuse_poll_us / 1e6)
         self.fs.count_requests(self.session.served)  # promotion yields to them
 
     async def serve(self) -> None:
@@ -162,8 +153,6 @@ class KernelBinding:
             log.warning("a kernel cache notice is stuck; ending the FUSE connection")
             mount.abort(self.connection)
         mount.unmount(self.mountpoint)
-        if self.session is not None:
-            self.session.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -14,10 +14,9 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from aifs.core import Filesystem, SetAttributes
+from aifs.core import Filesystem, Inode, SetAttributes
 from aifs.errors import FsError
 from aifs.fuse.errors import errno_for
-from aifs.meta.store import Inode
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -87,7 +86,8 @@ class Operations(pyfuse3.Operations):
             return negative
         return self._entry(inode)
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    # (pyfuse3 passes a list, handlers.pxi; its stub says Sequence)
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:  # type: ignore[override]
         try:
             self.fs.forget(inode_list)
         except Exception:  # forget is acknowledged already: never raise
@@ -201,7 +201,8 @@ class Operations(pyfuse3.Operations):
         return None  # directory changes are in LMDB; durable with the next fsync
 
     @_replies
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    # (pyfuse3 replies with any buffer, PyObject_GetBuffer; its stub says bytes)
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         return await self.fs.read(fh, off, size)
 
     @_replies

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
+from aifs.buffers import Body
+
 NO_METADATA: Mapping[str, str] = MappingProxyType({})
 
 
@@ -66,7 +68,7 @@ class ObjectStore(abc.ABC):
         """
 
     async def get_block(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> Body:
         """:meth:`get_range` for the block fetcher, whose bodies the block
         cache writes with O_DIRECT: a large one may come as a view of a
         reused aligned buffer (:mod:`aifs.buffers`; valid while referenced,

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from aifs.buffers import Body
 from aifs.errors import CAUSES, LakeError, ObjectNotFound
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
@@ -34,7 +35,9 @@ class CountingStore(ObjectStore):
         self.keys_nest = inner.keys_nest
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()  # time spent waiting, per operation
+        # time spent waiting, per operation: a Counter (0 for one never made) of
+        # floats, which typeshed's Counter (int values) cannot say
+        self.seconds: dict[str, float] = Counter()  # type: ignore[assignment]
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -72,7 +75,7 @@ class CountingStore(ObjectStore):
         return data
 
     async def get_block(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> Body:
         data = await self._count("GetObject",
                                  lambda: self.inner.get_block(key, start, length, if_match))
         self.bytes_read += len(data)

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import trio
 
+from aifs.buffers import Body
 from aifs.errors import LakeUnavailable
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
@@ -77,7 +78,7 @@ class FaultyStore(ObjectStore):
             key, start, length, if_match))
 
     async def get_block(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> Body:
         return await self._call(f"GET {key}", lambda: self.inner.get_block(
             key, start, length, if_match))
 

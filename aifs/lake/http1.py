@@ -20,12 +20,13 @@ before anything of the answer came (all requests here are idempotent).
 from __future__ import annotations
 
 import errno
+import io
 import os
 import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -53,7 +54,8 @@ class Response:
 class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.rfile = sock.makefile("rb", buffering=LINE)
+        # (a BufferedReader: mode "rb", buffering > 0; typeshed says IOBase for any int)
+        self.rfile = cast(io.BufferedReader, sock.makefile("rb", buffering=LINE))
 
     def close(self) -> None:
         self.rfile.close()
@@ -134,6 +136,7 @@ class Connections:
                 if not status_line:
                     raise Broken("answer cut short after an interim one", "truncated")
             framing = _framing(method, status, headers)
+            body: bytes | memoryview
             if framing == 0:
                 body = b""
             elif framing == "chunked":
@@ -226,7 +229,7 @@ def _framing(method: str, status: int, headers: dict[str, str]) -> int | str:
 
 
 def _chunks(conn: _Connection) -> bytes:
-    pieces = []
+    pieces: list[bytes] = []
     while True:
         line = conn.rfile.readline(LINE)
         if not line:
@@ -347,6 +350,7 @@ class AsyncConnections:
                     if (end := await conn.until(b"\r\n\r\n")) < 0:
                         raise Broken("answer cut short after an interim one", "truncated")
                 framing = _framing(method, status, headers)
+                body: bytes | bytearray
                 if framing == 0:
                     body = b""
                 elif framing == "chunked":
@@ -449,7 +453,7 @@ class _AsyncConnection:
         return body
 
     async def chunks(self) -> bytes:
-        pieces = []
+        pieces: list[bytes] = []
         while True:
             end = await self.until(b"\r\n")
             if end < 0:

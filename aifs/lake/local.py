@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TypeVar
 
 import trio
@@ -157,7 +157,7 @@ class LocalStore(ObjectStore):
                           st.st_mtime, meta)
 
     def _write_atomic(self, path: str, writer: Callable[[int], None],
-                      metadata: dict[str, str] | None) -> os.stat_result:
+                      metadata: Mapping[str, str] | None) -> os.stat_result:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
@@ -177,7 +177,7 @@ class LocalStore(ObjectStore):
 
     @staticmethod
     def _publish(tmp: str, fd: int, path: str,
-                 metadata: dict[str, str] | None) -> os.stat_result:
+                 metadata: Mapping[str, str] | None) -> os.stat_result:
         """The written file ``tmp`` (open as ``fd``, closed here) becomes the
         object at ``path``: its metadata, made durable, renamed into place."""
         try:

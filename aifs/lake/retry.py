@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import trio
 
+from aifs.buffers import Body
 from aifs.errors import LakeError, ObjectNotFound
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
@@ -94,7 +95,7 @@ class RetryingStore(ObjectStore):
             key, start, length, if_match))
 
     async def get_block(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> Body:
         return await self.policy.call(f"GET {key}", lambda: self.inner.get_block(
             key, start, length, if_match))
 

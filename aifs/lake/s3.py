@@ -9,6 +9,7 @@ call is one attempt, and retry with backoff happens once, in
 
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import time
@@ -21,6 +22,7 @@ import botocore.exceptions
 import trio
 import urllib3.exceptions
 
+from aifs.buffers import Body
 from aifs.errors import (
     AccessDenied,
     BucketNotFound,
@@ -155,11 +157,11 @@ class S3Store(ObjectStore):
         return bytes(await self._get(key, start, length, if_match, False))
 
     async def get_block(self, key: str, start: int, length: int,
-                        if_match: str | None = None) -> bytes | memoryview:
+                        if_match: str | None = None) -> Body:
         return await self._get(key, start, length, if_match, True)
 
     async def _get(self, key: str, start: int, length: int, if_match: str | None,
-                   pooled: bool) -> bytes | memoryview:
+                   pooled: bool) -> Body:
         if length <= 0:
             return b""
         if self.http is not None:
@@ -184,7 +186,7 @@ class S3Store(ObjectStore):
                 raise
             body = resp["Body"]  # botocore's StreamingBody: read through it, not
             try:                 # its urllib3 stream ("with" gives that one)
-                data = body.read()
+                data: bytes = body.read()
             finally:
                 body.close()
             if len(data) != resp["ContentLength"]:  # a cut body is an error, never data
@@ -206,7 +208,8 @@ class S3Store(ObjectStore):
                                 lambda: self.client.create_multipart_upload(
                                     Bucket=self.bucket, Key=self._k(key),
                                     Metadata=metadata or {}))
-        return resp["UploadId"]
+        upload_id: str = resp["UploadId"]
+        return upload_id
 
     async def upload_part(self, key: str, upload_id: str, part_number: int,
                           data: bytes, offset: int | None = None) -> str:
@@ -214,7 +217,8 @@ class S3Store(ObjectStore):
                                 lambda: self.client.upload_part(
                                     Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
                                     PartNumber=part_number, Body=data))
-        return resp["ETag"]
+        etag: str = resp["ETag"]
+        return etag
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
@@ -237,7 +241,8 @@ class S3Store(ObjectStore):
         while True:
             args = {"Bucket": self.bucket, "Prefix": self._k(prefix), **marks}
             resp = await self._call(f"list uploads of {prefix or '/'}",
-                                    lambda a=args: self.client.list_multipart_uploads(**a))
+                                    functools.partial(self.client.list_multipart_uploads,
+                                                      **args))
             found += [(u["Key"][cut:], u["UploadId"], u["Initiated"].timestamp())
                       for u in resp.get("Uploads", [])]
             if not resp.get("IsTruncated"):
@@ -270,8 +275,9 @@ class S3Store(ObjectStore):
     async def delete_many(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):
             batch = [{"Key": self._k(k)} for k in keys[start:start + 1000]]
-            resp = await self._call("DELETE objects", lambda b=batch: self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}))
+            resp = await self._call("DELETE objects", functools.partial(
+                self.client.delete_objects, Bucket=self.bucket,
+                Delete={"Objects": batch, "Quiet": True}))
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 first = errors[0]

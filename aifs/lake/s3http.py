@@ -38,6 +38,7 @@ from typing import Any
 import botocore.httpsession
 import urllib3
 
+from aifs.buffers import Body
 from aifs.errors import (
     AccessDenied,
     BucketNotFound,
@@ -193,7 +194,7 @@ class SignedHTTP:
         return LakeUnavailable(f"{what}: connection to {self.endpoint} broken: "
                                f"{type(exc).__name__}", cause)
 
-    def _error(self, status: int, body: bytes, what: str) -> LakeError:
+    def _error(self, status: int, body: Body, what: str) -> LakeError:
         found = _CODE.search(body)
         code = found.group(1).decode(errors="replace") if found else ""
         return error_of(code, status, code or str(status), what, self.endpoint, self.bucket)
@@ -210,7 +211,7 @@ class SignedHTTP:
         return ObjectInfo(name, int(h["content-length"]), h["etag"], modified, meta)
 
     def get_range(self, key: str, name: str, start: int, length: int,
-                  if_match: str | None, pooled: bool = False) -> bytes | memoryview:
+                  if_match: str | None, pooled: bool = False) -> Body:
         """The bytes (``pooled``: a large body may come as a view of a reused
         aligned buffer, :mod:`aifs.buffers`)."""
         what = f"GET {name}"
@@ -224,7 +225,7 @@ class SignedHTTP:
         return bool(needed and needed())
 
     async def get_range_async(self, key: str, name: str, start: int, length: int,
-                              if_match: str | None) -> bytes:
+                              if_match: str | None) -> Body:
         """:meth:`get_range` from the event loop (``self.loop`` must be set)."""
         assert self.loop is not None
         what = f"GET {name}"
@@ -242,8 +243,7 @@ class SignedHTTP:
             extra["if-match"] = if_match
         return extra
 
-    def _range(self, resp: Response, what: str, start: int,
-               length: int) -> bytes | memoryview:
+    def _range(self, resp: Response, what: str, start: int, length: int) -> Body:
         data = resp.body
         if resp.status == 416:
             return b""  # the range starts at or past the end: nothing there

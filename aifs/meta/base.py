@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import lmdb
 
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 RESERVE_BYTES = 64 << 20
 
 
-def _encode_now(record: dict | list) -> bytes | None:
+def _encode_now(record: dict[str, Any] | list[Any]) -> bytes | None:
     """An inode record of any schema as schema 5 stores it (None: it is; a
     migration cut short leaves some records so, and the next one sees them)."""
     if isinstance(record, list) and isinstance(record[1], int):
@@ -90,6 +91,22 @@ def _reserve(data_file: Path, size: int) -> None:
     except OSError as exc:
         log.warning("cannot reserve %d MiB for metadata in %s: %s", size >> 20, data_file,
                     exc.strerror)
+
+
+class Txn(Protocol):
+    """What the primitives below use of a transaction: lmdb's own (opened
+    without ``buffers``: values are bytes) or a
+    :class:`aifs.meta.batches.Writing`, which materializes batches first."""
+
+    def get(self, key: bytes, default: None = None,
+            db: lmdb._Database | None = None) -> bytes | None: ...
+
+    def put(self, key: bytes, value: bytes, *, db: lmdb._Database | None = None) -> bool: ...
+
+    def delete(self, key: bytes, value: bytes = b"", *,
+               db: lmdb._Database | None = None) -> bool: ...
+
+    def cursor(self, db: lmdb._Database | None = None) -> lmdb.Cursor[bytes]: ...
 
 
 class StoreBase:
@@ -126,7 +143,7 @@ class StoreBase:
             version = txn.get(SYS_SCHEMA)
         if version is not None:
             version = bytes(version)
-        if version not in (None, SCHEMA_VERSION):
+        if version is not None and version != SCHEMA_VERSION:
             if version not in MIGRATIONS:
                 env.close()
                 raise SchemaError(
@@ -155,13 +172,14 @@ class StoreBase:
 
     # -- primitives: inside the caller's transaction, never opening one ------------
     def _children(self, parent: int,
-                  txn: lmdb.Transaction | None = None) -> Iterator[tuple[bytes, bytes]]:
+                  txn: Txn | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(name, dentry value) of every child of ``parent`` that has records
         (in a write transaction, every child: a batch is materialized first;
         readers add ``_virtual_children``)."""
         prefix = u64(parent)
-        own = txn is None
-        txn = txn or self.env.begin()
+        own: lmdb.Transaction[bytes] | None = None
+        if txn is None:
+            txn = own = self.env.begin()
         txn = self._materialized(txn, parent)
         try:
             cursor = txn.cursor(db=self.dentries)
@@ -171,21 +189,21 @@ class StoreBase:
                         break
                     yield bytes(key[8:]), bytes(value)
         finally:
-            if own:
-                txn.abort()
+            if own is not None:
+                own.abort()
 
-    def _materialized(self, txn: lmdb.Transaction, parent: int) -> lmdb.Transaction:
+    def _materialized(self, txn: Txn, parent: int) -> Txn:
         """In a write transaction: ``parent``'s batch made records (see
         :mod:`aifs.meta.batches`, which overrides this); the raw transaction."""
         return txn
 
-    def _counter(self, txn: lmdb.Transaction, name: bytes, start: int) -> int:
+    def _counter(self, txn: Txn, name: bytes, start: int) -> int:
         raw = txn.get(name, db=self.sys)
         value = U64.unpack(raw)[0] if raw else start
         txn.put(name, u64(value + 1), db=self.sys)
         return value
 
-    def _put(self, txn: lmdb.Transaction, inode: Inode) -> None:
+    def _put(self, txn: Txn, inode: Inode) -> None:
         key = u64(inode.ino)
         txn.put(key, inode.encode_stored(), db=self.inodes)
         if inode.pending and not inode.orphan:
@@ -194,7 +212,7 @@ class StoreBase:
         else:
             txn.delete(key, db=self.pendings)
 
-    def _tomb(self, txn: lmdb.Transaction, key: str, ino: int) -> None:
+    def _tomb(self, txn: Txn, key: str, ino: int) -> None:
         """Tombstone ``key``: the value is the inode, a number that changes
         each time and, for a long key stored hashed, the whole key."""
         raw = key_bytes(key)
@@ -203,7 +221,7 @@ class StoreBase:
             value += key.encode("utf-8", "surrogateescape")
         txn.put(raw, value, db=self.tombs)
 
-    def _entry_of(self, txn: lmdb.Transaction, inode: Inode) -> tuple[bytes, bytes] | None:
+    def _entry_of(self, txn: Txn, inode: Inode) -> tuple[bytes, bytes] | None:
         """(name, dentry value) of ``inode`` in its parent, found by its key."""
         name = key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])
         value = txn.get(u64(inode.parent) + name, db=self.dentries)
@@ -211,13 +229,13 @@ class StoreBase:
             return None
         return name, bytes(value)
 
-    def _remove_dentry(self, txn: lmdb.Transaction, parent: int, name: bytes,
+    def _remove_dentry(self, txn: Txn, parent: int, name: bytes,
                        value: bytes) -> None:
         _, cookie = U64X2.unpack(value[:16])
         txn.delete(u64(parent) + name, db=self.dentries)
         txn.delete(u64(parent) + u64(cookie), db=self.cookies)
 
-    def _remove(self, txn: lmdb.Transaction, parent: int, name: bytes, value: bytes,
+    def _remove(self, txn: Txn, parent: int, name: bytes, value: bytes,
                 tomb: bool) -> Inode | None:
         ino, cookie = U64X2.unpack(value[:16])
         txn.delete(u64(parent) + name, db=self.dentries)
@@ -240,12 +258,14 @@ class StoreBase:
         self._put(txn, inode)
         return inode
 
-    def _key_of(self, txn: lmdb.Transaction, parent: int, name: bytes) -> str:
+    def _key_of(self, txn: Txn, parent: int, name: bytes) -> str:
         """The lake key of a non-directory ``name`` in ``parent``."""
-        directory = Inode.decode(txn.get(u64(parent), db=self.inodes))
+        raw = txn.get(u64(parent), db=self.inodes)
+        assert raw is not None  # (a name's directory has a record)
+        directory = Inode.decode(raw)
         return directory.key + name.decode("utf-8", "surrogateescape")
 
-    def _drop_name(self, txn: lmdb.Transaction, inode: Inode, key: str, tomb: bool) -> None:
+    def _drop_name(self, txn: Txn, inode: Inode, key: str, tomb: bool) -> None:
         """One name of a hard-linked inode is gone (its dentry already): the
         inode keeps the others; the first left becomes its primary key."""
         if key == inode.key:
@@ -262,7 +282,7 @@ class StoreBase:
         inode.pending |= META  # each object's metadata says how many names are left
         self._put(txn, inode)
 
-    def _drop_markers(self, txn: lmdb.Transaction, ino: int, up_to: int | None) -> None:
+    def _drop_markers(self, txn: Txn, ino: int, up_to: int | None) -> None:
         cursor = txn.cursor(db=self.markers)
         if not cursor.set_range(u64(ino)):
             return
@@ -272,7 +292,7 @@ class StoreBase:
             if not cursor.delete():
                 break
 
-    def _delete_tree(self, txn: lmdb.Transaction, ino: int) -> None:
+    def _delete_tree(self, txn: Txn, ino: int) -> None:
         self._drop_markers(txn, ino, None)
         raw = txn.get(u64(ino), db=self.inodes)
         if not raw:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from aifs.meta.base import StoreBase
+from aifs.meta.base import StoreBase, Txn
 from aifs.meta.inode import FILE, ROOT_INO, Inode, Listed
 from aifs.meta.schema import (
     DB_BATCH,
@@ -155,29 +155,32 @@ class Writing:
     """A write transaction that materializes a batch before any of its
     entries' records is read, written or deleted (see the module's doc)."""
 
-    def __init__(self, store: BatchesMixin, txn: lmdb.Transaction) -> None:
+    def __init__(self, store: BatchesMixin, txn: lmdb.Transaction[bytes]) -> None:
         self.raw = txn
         self._store = store
         self._entry_dbs = store._entry_dbs()
 
-    def get(self, key: bytes, default: object = None, db: object = None) -> object:
+    def get(self, key: bytes, default: None = None,
+            db: lmdb._Database | None = None) -> bytes | None:
         value = self.raw.get(key, db=db)
         if value is None and db in self._entry_dbs \
                 and self._store._materialize_for(self.raw, key, db):
             value = self.raw.get(key, db=db)
         return default if value is None else value
 
-    def put(self, key: bytes, value: bytes, db: object = None, **options: bool) -> bool:
+    def put(self, key: bytes, value: bytes, db: lmdb._Database | None = None,
+            **options: bool) -> bool:
         if db in self._entry_dbs:
             self._store._materialize_for(self.raw, key, db)
         return self.raw.put(key, value, db=db, **options)
 
-    def delete(self, key: bytes, value: bytes = b"", db: object = None) -> bool:
+    def delete(self, key: bytes, value: bytes = b"",
+               db: lmdb._Database | None = None) -> bool:
         if db in self._entry_dbs:
             self._store._materialize_for(self.raw, key, db)
         return self.raw.delete(key, value, db=db)
 
-    def cursor(self, db: object = None) -> lmdb.Cursor:
+    def cursor(self, db: lmdb._Database | None = None) -> lmdb.Cursor[bytes]:
         """(The cursors of write paths scan records that are never virtual:
         ``_children`` materializes its directory first.)"""
         return self.raw.cursor(db=db)
@@ -206,11 +209,11 @@ class BatchesMixin(StoreBase):
             self._drop_parsed()  # (a batch parsed inside it may not exist)
             raise
 
-    def _entry_dbs(self) -> tuple[object, ...]:
+    def _entry_dbs(self) -> tuple[lmdb._Database, ...]:
         """The databases of :func:`entry_records`, in its order."""
         return self.inodes, self.dentries, self.cookies, self.objkeys
 
-    def _put_records(self, txn: lmdb.Transaction, parent: int,
+    def _put_records(self, txn: lmdb.Transaction[bytes], parent: int,
                      rows: Iterable[tuple[bytes, bytes, Listed, int, int]]) -> None:
         """The records of listed children (name, key, entry, ino, cookie), in
         bulk: one ``putmulti`` per database (a third of a ``put`` per record)."""
@@ -223,7 +226,7 @@ class BatchesMixin(StoreBase):
             txn.cursor(db=db).putmulti(items)
 
     # -- reads --------------------------------------------------------------------
-    def _batch(self, txn: lmdb.Transaction | Writing, parent: int) -> Batch | None:
+    def _batch(self, txn: lmdb.Transaction[bytes] | Writing, parent: int) -> Batch | None:
         raw_txn = txn.raw if isinstance(txn, Writing) else txn
         head = raw_txn.get(u64(parent), db=self.batch_heads)
         if head is None:
@@ -231,8 +234,9 @@ class BatchesMixin(StoreBase):
         first_ino = HEAD.unpack_from(head)[0]
         batch = self._parsed.get(parent)
         if batch is None or batch.first_ino != first_ino:
-            batch = decode(parent, bytes(head), bytes(raw_txn.get(u64(parent),
-                                                                  db=self.batch_rows)))
+            rows = raw_txn.get(u64(parent), db=self.batch_rows)
+            assert rows is not None  # (stored with its head, in one transaction)
+            batch = decode(parent, bytes(head), bytes(rows))
             self._keep(batch)
         return batch
 
@@ -261,7 +265,7 @@ class BatchesMixin(StoreBase):
             else:
                 self._parsed.pop(parent, None)
 
-    def _batch_of_ino(self, txn: lmdb.Transaction, ino: int) -> tuple[Batch, int] | None:
+    def _batch_of_ino(self, txn: lmdb.Transaction[bytes], ino: int) -> tuple[Batch, int] | None:
         """The batch that holds inode ``ino`` virtually, and its row."""
         if ino > self._batched_below:
             return None
@@ -273,11 +277,11 @@ class BatchesMixin(StoreBase):
             return None
         return batch, ino - batch.first_ino
 
-    def _virtual(self, txn: lmdb.Transaction, ino: int) -> Inode | None:
+    def _virtual(self, txn: lmdb.Transaction[bytes], ino: int) -> Inode | None:
         found = self._batch_of_ino(txn, ino)
         return found[0].inode(found[1]) if found else None
 
-    def _virtual_entry(self, txn: lmdb.Transaction, parent: int,
+    def _virtual_entry(self, txn: lmdb.Transaction[bytes], parent: int,
                        name: bytes) -> tuple[Batch, int] | None:
         batch = self._batch(txn, parent)
         if batch is None:
@@ -285,7 +289,7 @@ class BatchesMixin(StoreBase):
         i = batch.find(name)
         return None if i is None else (batch, i)
 
-    def _key_parent(self, txn: lmdb.Transaction, raw_key: bytes) -> int | None:
+    def _key_parent(self, txn: lmdb.Transaction[bytes], raw_key: bytes) -> int | None:
         """The directory a file's lake key (as stored, not hashed) is in."""
         if len(raw_key) > KEY_RAW_MAX or raw_key.endswith(b"/"):
             return None
@@ -295,7 +299,7 @@ class BatchesMixin(StoreBase):
         owner = txn.get(raw_key[:cut + 1], db=self.objkeys)
         return U64.unpack(owner)[0] if owner is not None else None
 
-    def _materialize_key_owner(self, txn: lmdb.Transaction, dir_key: str,
+    def _materialize_key_owner(self, txn: lmdb.Transaction[bytes], dir_key: str,
                                parent: int) -> None:
         """Before ``parent`` (a directory of key ``dir_key``) links listed
         files by their keys: the batch of another directory known by that
@@ -309,7 +313,8 @@ class BatchesMixin(StoreBase):
         if owner is not None and owner != parent:
             self._materialize(txn, owner)
 
-    def _virtual_key(self, txn: lmdb.Transaction, raw_key: bytes) -> tuple[Batch, int] | None:
+    def _virtual_key(self, txn: lmdb.Transaction[bytes],
+                     raw_key: bytes) -> tuple[Batch, int] | None:
         parent = self._key_parent(txn, raw_key)
         if parent is None:
             return None
@@ -318,7 +323,7 @@ class BatchesMixin(StoreBase):
             return None
         return found
 
-    def _virtual_children(self, txn: lmdb.Transaction,
+    def _virtual_children(self, txn: lmdb.Transaction[bytes],
                           parent: int) -> Iterator[tuple[bytes, bytes]]:
         """(name, dentry value) of ``parent``'s virtual children, as
         :meth:`_children` gives the others."""
@@ -328,7 +333,7 @@ class BatchesMixin(StoreBase):
                 yield name, U64X2.pack(batch.first_ino + i, batch.first_cookie + i)
 
     # -- writes -------------------------------------------------------------------
-    def _store_batch(self, txn: lmdb.Transaction, parent: int, dir_key: str, first_ino: int,
+    def _store_batch(self, txn: lmdb.Transaction[bytes], parent: int, dir_key: str, first_ino: int,
                      first_cookie: int, entries: list[Listed]) -> None:
         """Keep ``entries`` as ``parent``'s batch, numbered in order from
         ``first_ino`` and ``first_cookie``."""
@@ -346,7 +351,7 @@ class BatchesMixin(StoreBase):
         txn.put(u64(last), u64(parent), db=self.batch_inos)
         self._batched_below = max(self._batched_below, last)
 
-    def _materialized(self, txn: lmdb.Transaction | Writing, parent: int) -> lmdb.Transaction:
+    def _materialized(self, txn: Txn, parent: int) -> Txn:
         if isinstance(txn, Writing):
             self._materialize(txn.raw, parent)
             return txn.raw
@@ -361,7 +366,8 @@ class BatchesMixin(StoreBase):
                 self._materialize(txn, parent)
         return len(parents)
 
-    def _materialize_for(self, txn: lmdb.Transaction, key: bytes, db: object) -> bool:
+    def _materialize_for(self, txn: lmdb.Transaction[bytes], key: bytes,
+                         db: lmdb._Database | None) -> bool:
         """Materialize the batch that holds what ``key`` of entry database
         ``db`` names, if one does; whether one did."""
         if not self._batched_below:  # no batch was ever kept
@@ -377,7 +383,7 @@ class BatchesMixin(StoreBase):
         self._expand(txn, found[0])
         return True
 
-    def _materialize(self, txn: lmdb.Transaction, parent: int) -> bool:
+    def _materialize(self, txn: lmdb.Transaction[bytes], parent: int) -> bool:
         """Turn ``parent``'s batch, if it has one, into records; whether it had."""
         batch = self._batch(txn, parent)
         if batch is None:
@@ -385,7 +391,7 @@ class BatchesMixin(StoreBase):
         self._expand(txn, batch)
         return True
 
-    def _expand(self, txn: lmdb.Transaction, batch: Batch) -> None:
+    def _expand(self, txn: lmdb.Transaction[bytes], batch: Batch) -> None:
         """``batch`` becomes the records its listing would have written."""
         rows = []
         for i, name in enumerate(batch.names):

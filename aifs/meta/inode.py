@@ -14,7 +14,7 @@ import itertools
 import operator
 from dataclasses import MISSING, dataclass, field, fields
 from json.encoder import encode_basestring_ascii as _json_string
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aifs.meta.schema import compact_json, stored_json
 
@@ -73,7 +73,7 @@ class Inode:
     checksum: str = ""  # ... and their xxh3, verified on every read from the lake
     xattrs: dict[str, str] = field(default_factory=dict)  # user.* name -> base64 value
     #: hard links: [parent ino, lake key] of each name besides (parent, key)
-    links: list[list] = field(default_factory=list)
+    links: list[list[Any]] = field(default_factory=list)
     link_id: str = ""  # the names' group id, in each name's object metadata
     nlink_hint: int = 0  # st_nlink the lake's metadata told, before all names were seen
 
@@ -145,7 +145,7 @@ class Inode:
         return known._copy()
 
     @classmethod
-    def from_json(cls, record: list | dict) -> Inode:
+    def from_json(cls, record: list[Any] | dict[str, Any]) -> Inode:
         """An inode from its parsed record, whichever schema wrote it: an
         object (3 and older), a list with the kind as a letter and the ETag as
         is (4), or as now (the kind a number: 5)."""

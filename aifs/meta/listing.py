@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import lmdb
 
+from aifs.meta.base import Txn
 from aifs.meta.batches import BATCH_MAX, BatchesMixin, Writing, batchable, entry_records
 from aifs.meta.inode import DIR, FILE, LINK, Inode, Listed
 from aifs.meta.schema import SYS_NEXT_COOKIE, SYS_NEXT_INO, U64, U64X2, key_bytes, u64
@@ -55,7 +56,9 @@ class ListingMixin(BatchesMixin):
                     continue
                 value = existing.pop(name, None)
                 if value is not None:
-                    current = Inode.decode(txn.get(value[:8], db=self.inodes))
+                    raw = txn.get(value[:8], db=self.inodes)
+                    assert raw is not None  # (a dentry's inode has a record)
+                    current = Inode.decode(raw)
                     if current.pending or current.ctime >= started or current.links \
                             or self._settled_at.get(current.ino, 0.0) >= started:
                         continue  # (a hard-linked inode's names are this node's)
@@ -65,8 +68,8 @@ class ListingMixin(BatchesMixin):
                                 and not current.attrs_known and entry.fields \
                                 and entry.fields.get("attrs_known"):
                             # the record of this version came after it was listed
-                            for name, field_value in entry.fields.items():
-                                setattr(current, name, field_value)
+                            for field_name, field_value in entry.fields.items():
+                                setattr(current, field_name, field_value)
                             self._put(txn, current)
                         elif current.etag != entry.etag or current.key != entry.key:
                             replaced.append(current.ino)
@@ -76,8 +79,8 @@ class ListingMixin(BatchesMixin):
                                 current.attrs_known = False
                                 current.kind = entry.kind
                                 current.pack, current.pack_offset, current.checksum = "", 0, ""
-                                for name, field_value in (entry.fields or {}).items():
-                                    setattr(current, name, field_value)
+                                for field_name, field_value in (entry.fields or {}).items():
+                                    setattr(current, field_name, field_value)
                             self._put(txn, current)
                         continue
                     removed.append(U64X2.unpack(value[:16])[0])
@@ -155,7 +158,7 @@ class ListingMixin(BatchesMixin):
             counters.set(SYS_NEXT_COOKIE, cookie)
         return left
 
-    def _link(self, txn: lmdb.Transaction, parent: int, name: bytes, entry: Listed,
+    def _link(self, txn: Txn, parent: int, name: bytes, entry: Listed,
               counters: _Counters) -> int:
         objkey = key_bytes(entry.key)
         raw_ino = txn.get(objkey, db=self.objkeys)
@@ -168,7 +171,7 @@ class ListingMixin(BatchesMixin):
             txn.put(key, value, db=db)
         return ino
 
-    def _deleted_here(self, txn: lmdb.Transaction, objkey: bytes, entry: Listed) -> bool:
+    def _deleted_here(self, txn: Txn, objkey: bytes, entry: Listed) -> bool:
         """A listed object this node deleted (its key tombstoned): hidden,
         unless packed (a packed file's own record says if it lives)."""
         return txn.get(objkey, db=self.tombs) is not None \
@@ -179,7 +182,7 @@ class _Counters:
     """The inode and cookie counters of one listing's transaction, read once
     and written once at its end (not a get and a put per entry listed)."""
 
-    def __init__(self, txn: lmdb.Transaction, db: object) -> None:
+    def __init__(self, txn: Txn, db: lmdb._Database) -> None:
         self.txn, self.db = txn, db
         self.values: dict[bytes, int] = {}
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import lmdb
-
+from aifs.meta.base import Txn
 from aifs.meta.batches import BatchesMixin
 from aifs.meta.inode import DATA, DIR, MAYBE_IN_LAKE, META, Inode
 from aifs.meta.schema import SYS_NEXT_COOKIE, U64X2, key_bytes, u64
@@ -55,13 +54,17 @@ class NamesMixin(BatchesMixin):
             for key in tombstones:
                 if txn.get(key_bytes(key), db=self.objkeys) is None:
                     self._tomb(txn, key, 0)
-            moved = Inode.decode(txn.get(u64(ino), db=self.inodes))
+            raw = txn.get(u64(ino), db=self.inodes)
+            assert raw is not None  # (just re-keyed)
+            moved = Inode.decode(raw)
         return moved, replaced
 
-    def _rekey(self, txn: lmdb.Transaction, ino: int, new_key: str, etags: dict[str, str],
+    def _rekey(self, txn: Txn, ino: int, new_key: str, etags: dict[str, str],
                now: float, has_local: Callable[[int], bool],
                parent: int | None = None, old_key: str | None = None) -> None:
-        inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
+        raw = txn.get(u64(ino), db=self.inodes)
+        assert raw is not None  # (a dentry's inode has a record)
+        inode = Inode.decode(raw)
         if inode.links and old_key is not None:
             self._move_name(txn, inode, old_key, new_key, parent)
             return
@@ -103,13 +106,15 @@ class NamesMixin(BatchesMixin):
         if inode.is_dir:
             for name, value in list(self._children(ino, txn)):
                 child = U64X2.unpack(value[:16])[0]
-                kind = Inode.decode(txn.get(u64(child), db=self.inodes)).kind
+                raw_child = txn.get(u64(child), db=self.inodes)
+                assert raw_child is not None  # (a dentry's inode has a record)
+                kind = Inode.decode(raw_child).kind
                 suffix = "/" if kind == DIR else ""
                 text = name.decode("utf-8", "surrogateescape") + suffix
                 self._rekey(txn, child, new_key + text, etags, now, has_local,
                             old_key=old_key + text)
 
-    def _move_name(self, txn: lmdb.Transaction, inode: Inode, old_key: str, new_key: str,
+    def _move_name(self, txn: Txn, inode: Inode, old_key: str, new_key: str,
                    parent: int | None) -> None:
         """Rename one name of a hard-linked inode. Its old object is deleted;
         the promoter makes the new one (a copy, with the group's metadata)."""
@@ -135,7 +140,9 @@ class NamesMixin(BatchesMixin):
     def link(self, ino: int, parent: int, name: bytes, key: str, link_id: str) -> Inode:
         """Give ``ino`` one more name: ``name`` in ``parent``, lake key ``key``."""
         with self._write() as txn:
-            inode = Inode.decode(txn.get(u64(ino), db=self.inodes))
+            raw = txn.get(u64(ino), db=self.inodes)
+            assert raw is not None  # (the caller holds the inode: it has a record)
+            inode = Inode.decode(raw)
             cookie = self._counter(txn, SYS_NEXT_COOKIE, 1)
             txn.put(u64(parent) + name, U64X2.pack(ino, cookie), db=self.dentries)
             txn.put(u64(parent) + u64(cookie), name, db=self.cookies)

@@ -150,7 +150,8 @@ MIGRATIONS = {
 # -- encodings ----------------------------------------------------------------
 #: JSON without spaces; one encoder for all (json.dumps with options builds one per call)
 compact_json = json.JSONEncoder(separators=(",", ":")).encode
-_scan_json = json.JSONDecoder().scan_once
+# (set by JSONDecoder.__init__, which typeshed does not declare)
+_scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def stored_json(raw: bytes) -> Any:

@@ -110,7 +110,8 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
             if value is None:
                 found = self._virtual_entry(txn, parent, name)
                 return found[0].first_cookie + found[1] if found else None
-        return U64X2.unpack(value[:16])[1]
+        cookie: int = U64X2.unpack(value[:16])[1]
+        return cookie
 
     def exists(self, parent: int, name: bytes) -> bool:
         with self.env.begin() as txn:
@@ -125,7 +126,8 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
             if raw is None:
                 found = self._virtual_key(txn, raw_key)
                 return found[0].first_ino + found[1] if found else None
-        return U64.unpack(raw)[0]
+        ino: int = U64.unpack(raw)[0]
+        return ino
 
     def readdir(self, parent: int, after_cookie: int,
                 limit: int) -> list[tuple[int, bytes, Inode]]:
@@ -220,7 +222,7 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
 
     def create(self, parent: int, name: bytes, inode: Inode, unclosed: bool = False) -> Inode:
         """Add a new child ``name`` of ``parent``; ``inode.ino`` is assigned here
-        unless set (a number from :meth:`reserve_inos`).
+        unless set.
         ``unclosed``: created by an open for writing (see :meth:`mark_unclosed`),
         recorded in the same transaction, so no crash can publish it half made."""
         with self._write() as txn:
@@ -237,14 +239,6 @@ class MetaStore(ListingMixin, NamesMixin, PromotionMixin):
             if unclosed:
                 txn.put(u64(inode.ino), b"", db=self.unclosed_db)
         return inode
-
-    def reserve_inos(self, count: int) -> list[int]:
-        """``count`` inode numbers no create will take, for creates made
-        outside (:mod:`aifs.posix.adopted`); a crash leaves them unused."""
-        with self._write() as txn:
-            first = self._counter(txn, SYS_NEXT_INO, 2)
-            txn.put(SYS_NEXT_INO, u64(first + count), db=self.sys)
-        return list(range(first, first + count))
 
     def reincarnate(self, inode: Inode) -> Inode:
         """Give an entry whose file type turned out different (a symlink object

@@ -24,6 +24,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from aifs.buffers import Body
 from aifs.meta.inode import Inode
 from aifs.meta.schema import (
     DB_JOURNAL,
@@ -62,7 +63,7 @@ JOURNAL_SUFFIX = ".json"
 Record = dict[str, Any]
 
 
-def checksum(data: bytes | memoryview) -> str:
+def checksum(data: Body) -> str:
     """The checksum packs record per entry (xxh3, 64 bits, hex)."""
     return xxhash.xxh3_64_hexdigest(data)
 
@@ -257,7 +258,7 @@ class PackIndex:
         else:
             out.append((name, PackedEntry.from_record(record)))
 
-    def _any_live(self, txn: lmdb.Transaction, prefix: bytes,
+    def _any_live(self, txn: lmdb.Transaction[bytes], prefix: bytes,
                   pending: dict[str, dict[str, list[int]]]) -> bool:
         cursor = txn.cursor(db=self.entries)
         found = cursor.set_range(prefix)
@@ -423,11 +424,11 @@ class PackIndex:
         with self.env.begin() as txn:
             return self._pending(txn)
 
-    def _pending(self, txn: lmdb.Transaction) -> dict[str, dict[str, list[int]]]:
+    def _pending(self, txn: lmdb.Transaction[bytes]) -> dict[str, dict[str, list[int]]]:
         raw = txn.get(SYS_PACKS_PENDING, db=self.sys)
         return json.loads(raw) if raw else {}
 
-    def _set_pending(self, txn: lmdb.Transaction,
+    def _set_pending(self, txn: lmdb.Transaction[bytes],
                      pending: dict[str, dict[str, list[int]]]) -> None:
         if pending:
             txn.put(SYS_PACKS_PENDING, compact_json(pending).encode(), db=self.sys)
@@ -498,7 +499,7 @@ class PackIndex:
         with self.env.begin(write=True) as txn:
             txn.delete(pack.encode(), db=self.packs)
 
-    def _apply(self, txn: lmdb.Transaction, record: Record, packs: _PackInfos,
+    def _apply(self, txn: lmdb.Transaction[bytes], record: Record, packs: _PackInfos,
                raw_record: bytes | None = None) -> None:
         op = record.get("op")
         if op == "pack":
@@ -546,7 +547,7 @@ class _PackInfos:
     """The pack records one transaction reads and changes, written once at its
     end: a journal changes the live bytes of one pack thousands of times."""
 
-    def __init__(self, txn: lmdb.Transaction, db: Any) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes], db: lmdb._Database) -> None:
         self.txn, self.db = txn, db
         self.infos: dict[str, dict[str, Any]] = {}
         self.live_changed: set[str] = set()

@@ -20,6 +20,8 @@ parts and hands each call to the one that owns it:
   facts and commands (sync, warmup, pack, gc, pin), stats, statfs.
 - :mod:`~aifs.posix.recovery` — reconciling local copies with the metadata at
   mount, after any exit.
+- :mod:`~aifs.posix.tally` — the figures the facade hands out
+  (:class:`~aifs.figures.Figures`) for ``aifs status`` and the metrics.
 
 No pyfuse3 here: tests drive these without a mount. May import ``cache``,
 ``flush``, ``read``, ``meta``, ``lake``, ``policy``, ``checkpoint``,

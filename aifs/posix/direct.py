@@ -92,14 +92,11 @@ class Direct:
                 return None
         if handle.writable:
             await self.writes.make_local(ino)
-        self.went_direct(fh, pid)
+        self._went_direct(fh, pid)
         return self.local.fd(ino)
 
-    def went_direct(self, fh: int, pid: int = 0,
-                    seen: tuple[int, int] | None = None) -> None:
-        """Handle ``fh`` goes direct: what :meth:`backing` settled, or what a
-        create answered outside the core did (:mod:`aifs.posix.adopted`;
-        ``seen``: its copy's size and mtime then, before the writes since)."""
+    def _went_direct(self, fh: int, pid: int = 0) -> None:
+        """Handle ``fh`` goes direct, as :meth:`backing` settled."""
         inodes = self.inodes
         handle = inodes.files[fh]
         ino = handle.ino
@@ -112,7 +109,7 @@ class Direct:
             self.streams.follow(ino, True)
             writing = self.writers.get(ino)
             if writing is None:
-                writing = self.writers[ino] = Writing(seen or self._stat(ino))
+                writing = self.writers[ino] = Writing(self._stat(ino))
             writing.handles += 1
             self._writing.set()
         inodes.counters.direct_opens += 1
@@ -120,10 +117,6 @@ class Direct:
             self.pacer.io.watch(fh, pid)
         log.debug("handle %d of inode %d goes direct (%s)", fh, ino,
                   "writer" if handle.writable else "reader")
-
-    def may_write_direct(self) -> bool:
-        """Whether a writer that need not clear set-user-ID may go direct now."""
-        return self._may_write_direct(False)
 
     def _may_write_direct(self, kill_setid: bool) -> bool:
         if kill_setid:

@@ -71,16 +71,6 @@ class Files:
                 self.maybe_stream(inode)
         return fh, keep_cache
 
-    def adopt_open(self, ino: int, fh: int) -> None:
-        """A read-only open answered outside the core as handle ``fh`` (the
-        kernel binding's C loop, of a file whose bytes are all local: nothing
-        to fetch or truncate) is one of the core's handles now."""
-        inode = self.inodes.get(ino)
-        self.inodes.kernel_etag[ino] = inode.etag
-        fh = self.open_handle(inode, False, fh)
-        if self.config.dir_prefetch:
-            self.dir_prefetch.opened(inode, self.inodes.files[fh].version)
-
     def writes_direct(self, flags: int) -> bool:
         """Whether a handle opened with ``flags`` has its writes passed to the
         daemon as they come, past the kernel's page cache (FOPEN_DIRECT_IO):
@@ -109,10 +99,10 @@ class Files:
         metadata.pop("mtime", None)  # fixed at upload creation: the lake's time serves
         return inode.key, str(self.local.path(ino)), metadata
 
-    def open_handle(self, inode: Inode, writable: bool, fh: int = 0) -> int:
-        """A new handle of ``inode`` (numbered ``fh`` where one was reserved)."""
+    def open_handle(self, inode: Inode, writable: bool) -> int:
+        """A new handle of ``inode``."""
         inodes = self.inodes
-        fh = fh or next(inodes.handles)
+        fh = next(inodes.handles)
         ino = inode.ino
         inodes.opens[ino] = inodes.opens.get(ino, 0) + 1
         if writable:

@@ -110,9 +110,6 @@ class Inodes:
         self.write_failed: dict[int, str] = {}
         self.changes: dict[int, int] = {}
         self.kernel_etag: dict[int, str] = {}  # the version the kernel's pages are of
-        #: set by a binding that answers opens outside the core (the kernel
-        #: session's C loop): whether it may hold an inode open unknown here
-        self.held_outside: Callable[[int], bool] = lambda ino: False
         self.dir_times: dict[int, tuple[int, float]] = {}  # ino -> (mtime_ns, ctime)
         self.subdir_counts: dict[int, int] = {}  # ino -> subdirectories (st_nlink - 2)
         self.stale_local: set[int] = set()  # dropped once no handle reads them
@@ -193,11 +190,6 @@ class Inodes:
 
     def is_open(self, ino: int) -> bool:
         return self.opens.get(ino, 0) > 0
-
-    def copy_in_use(self, ino: int) -> bool:
-        """Whether ``ino``'s local copy may be read through the mount: open
-        here, or :meth:`held`."""
-        return self.opens.get(ino, 0) > 0 or self.held_outside(ino)
 
     def reads_lake(self, ino: int) -> bool:
         """Whether an open handle may still read ``ino``'s bytes from its lake
@@ -280,21 +272,15 @@ class Inodes:
         failed (a failed file keeps it, and stays unpublished)."""
         return ino in self.unclosed and ino not in self.write_failed
 
-    def reserve_handles(self, count: int) -> int:
-        """The first of ``count`` handle numbers no open will take."""
-        first = next(self.handles)
-        self.handles = itertools.count(first + count)
-        return first
-
     # -- directory times ------------------------------------------------------------
-    def touch_dir(self, ino: int, subdirs: bool = True, at_ns: int = 0) -> None:
+    def touch_dir(self, ino: int, subdirs: bool = True) -> None:
         """A directory's entries changed: its mtime moves (kept locally only, and
         stored in batches: a create costs no extra metadata transaction).
         ``subdirs``: the change may have added or removed a subdirectory, so its
         count (st_nlink) is counted again; a file's create or unlink does not
         (that recount scans the whole directory: once per create it made
-        creating n files in one directory cost n^2). ``at_ns``: when, if not now."""
-        self.dir_times[ino] = (at_ns, at_ns / 1e9) if at_ns else (time.time_ns(), self.clock())
+        creating n files in one directory cost n^2)."""
+        self.dir_times[ino] = (time.time_ns(), self.clock())
         if subdirs:
             self.subdir_counts.pop(ino, None)
 

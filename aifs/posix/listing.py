@@ -318,7 +318,7 @@ class Listings:
         local = self.inodes.local
         for ino in replaced:  # another writer's version: our clean copy is stale
             if local.has(ino):
-                if self.inodes.copy_in_use(ino):
+                if self.inodes.is_open(ino):
                     self.inodes.stale_local.add(ino)
                 else:
                     local.remove(ino)

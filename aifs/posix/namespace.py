@@ -77,11 +77,8 @@ class Namespace:
         return directory
 
     def _add(self, directory: Inode, name: bytes, kind: str, mode: int, uid: int, gid: int,
-             pending: int, unclosed: bool = False, ino: int = 0, at_ns: int = 0,
-             mtime_ns: int = 0, changed_ns: int = 0, **extra: object) -> Inode:
-        """``ino``, ``at_ns``: the number and time a create made outside chose
-        (``mtime_ns``, ``changed_ns``: its mtime and ctime, if its writer closed it)."""
-        now = at_ns / 1e9 if at_ns else self.inodes.clock()
+             pending: int, unclosed: bool = False, **extra: object) -> Inode:
+        now = self.inodes.clock()
         key = directory.key + name_of(name) + ("/" if kind == DIR else "")
         self.check_key(key)
         mode = stat.S_IMODE(mode)
@@ -91,14 +88,13 @@ class Namespace:
             gid = self.inodes.gid if directory.gid < 0 else directory.gid
             if kind == DIR:
                 mode |= stat.S_ISGID
-        inode = Inode(ino, kind, key, directory.ino,
-                      mtime_ns=mtime_ns or at_ns or time.time_ns(), mode=mode, uid=uid,
-                      gid=gid, ctime=changed_ns / 1e9 if changed_ns else now,
+        inode = Inode(0, kind, key, directory.ino, mtime_ns=time.time_ns(), mode=mode,
+                      uid=uid, gid=gid, ctime=now,
                       attrs_known=True, pending=pending, **extra)  # type: ignore[arg-type]
         inode = self.meta.create(directory.ino, name, inode, unclosed)
         if unclosed:
             self.inodes.unclosed.add(inode.ino)
-        self.inodes.touch_dir(directory.ino, subdirs=inode.is_dir, at_ns=at_ns)
+        self.inodes.touch_dir(directory.ino, subdirs=inode.is_dir)
         self.inodes.remember(inode.ino)
         return inode
 
@@ -123,39 +119,15 @@ class Namespace:
                                      unclosed=bool(flags & (os.O_WRONLY | os.O_RDWR)))
         return self._open_new(inode, uid), inode
 
-    def _open_new(self, inode: Inode, uid: int, fh: int = 0) -> int:
+    def _open_new(self, inode: Inode, uid: int) -> int:
         # new, empty and dirty: the writes and a direct open find it so
         # without reading the metadata (Writes.make_local's common case)
         self.inodes.written[inode.ino] = (0, inode.mtime_ns)
         self.inodes.marked_dirty.add(inode.ino)
-        fh = self.files.open_handle(inode, writable=True, fh=fh)
+        fh = self.files.open_handle(inode, writable=True)
         self.inodes.files[fh].kill_setid = uid != 0
         self.files.maybe_stream(inode)
         return fh
-
-    def adopt_create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                     ino: int, at_ns: int, fh: int = 0, fd: int = -1,
-                     closed: tuple[int, int] | None = None) -> Inode:
-        """A create answered before the core heard of it (:mod:`aifs.posix.adopted`):
-        the entry and open handle ``fh`` as :meth:`create` makes them, with the
-        inode number and time it chose, and the local copy it made (``fd``, its
-        descriptor). ``fh`` 0: no handle (a record applied at mount).
-        ``closed``: its writer closed it already, at this (size, mtime_ns):
-        stored so, with no handle and no unclosed mark."""
-        extra = {} if closed is None else {"size": closed[0]}
-        inode = self._add(self.inodes.directory(parent), name, FILE, mode, uid, gid, DATA,
-                          unclosed=closed is None, ino=ino, at_ns=at_ns,
-                          mtime_ns=closed[1] if closed else 0,
-                          changed_ns=max(at_ns, closed[1]) if closed else 0, **extra)
-        if closed is None:  # (written direct since: what the kernel cached is not it)
-            self.inodes.kernel_etag[ino] = inode.etag
-        if fd >= 0:
-            self.local.made(ino, fd)
-        if closed is not None:
-            self.local.resized(ino, closed[0])
-        elif fh:
-            self._open_new(inode, uid, fh)
-        return inode
 
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int,
                     gid: int) -> Inode:
@@ -292,6 +264,8 @@ class Namespace:
         self.check_key(new_key)
         if target is not None and not target.is_dir:
             inodes.changed(target.ino)  # replaced: its upload in flight, if any, stops
+        tombstones: list[str]
+        etags: dict[str, str]
         with self.promoter.reserving([new_key]):  # no upload to it starts meanwhile
             if source.links:  # a name of a hard-linked file: the promoter copies it anew
                 tombstones, etags = [], {}

@@ -25,18 +25,27 @@ class Recovery:
         self.local = local
         self.recovered_dir = local.root.parent / "recovered"
         self.recovered_files = 0  # files in it (counted at mount, kept since)
+        #: the journal of the C read loop an earlier release had (creates it
+        #: answered, applied to the metadata at the next mount): where one is
+        #: left, copies the metadata does not know may be files it created
+        self.legacy_journal = local.root.parent / "native-journal"
 
     def recover(self) -> None:
         """Reconcile local copies with the metadata after any exit."""
         meta, local = self.meta, self.local
         self._recover_unclosed()
+        unknown_kept = self._legacy_journal_left()
         for ino in meta.purge_orphans():
             local.remove(ino)
         pending = {inode.ino: inode for inode in meta.pending_inodes()}
         for ino, size in local.sizes().items():
             inode = pending.get(ino) or meta.get(ino)
             if inode is None:
-                local.remove(ino)
+                if unknown_kept and size:
+                    self._keep(ino, str(ino), "was created by the C read loop of an "
+                               "earlier release and not applied")
+                else:
+                    local.remove(ino)
             elif not (ino in pending and inode.pending & DATA) and size != inode.size:
                 # a clean copy cut short (the node lost power before the disk had
                 # it all): the lake has the file, its next read fetches it
@@ -58,10 +67,33 @@ class Recovery:
             log.info("%d inodes have changes not yet in the lake: promoting them",
                      len(pending))
 
+    def _legacy_journal_left(self) -> bool:
+        """Whether an earlier release's C loop left a journal this release
+        cannot apply: its files' copies are then kept in the recovery directory
+        instead of being dropped as unknown (the journal is removed after)."""
+        try:
+            size = self.legacy_journal.stat().st_size
+        except FileNotFoundError:
+            return False
+        self.legacy_journal.unlink()
+        if size:
+            log.warning("%s holds creates an earlier release did not apply: files the "
+                        "metadata does not know are kept in %s", self.legacy_journal,
+                        self.recovered_dir)
+        return bool(size)
+
+    def _keep(self, ino: int, name: str, why: str) -> None:
+        """The copy of ``ino`` moved to the recovery directory as ``name``."""
+        target = self.recovered_dir / self.stamp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.local.path(ino), target)
+        self.recovered_files += 1
+        log.warning("inode %d %s: its bytes are in %s", ino, why, target)
+
     def _recover_unclosed(self) -> None:
         if self.recovered_dir.is_dir():  # counted once here, not per status request
             self.recovered_files = sum(len(f) for _, _, f in os.walk(self.recovered_dir))
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.stamp = stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for ino in self.meta.unclosed():
             inode = self.meta.get(ino)
             if inode is not None and self.local.has(ino) and not inode.orphan:

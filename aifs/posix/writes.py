@@ -17,6 +17,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -61,7 +62,7 @@ class Writes:
         self.promoter = promoter
         self._materializing: dict[int, trio.Lock] = {}
 
-    async def write(self, fh: int, offset: int, data: bytes) -> int:
+    async def write(self, fh: int, offset: int, data: bytes | memoryview) -> int:
         inodes = self.inodes
         handle = inodes.files.get(fh)
         if handle is None or not handle.writable:
@@ -98,7 +99,7 @@ class Writes:
             if inode.is_dir:
                 raise FsError(errno.EISDIR)
             await self.truncate(inode, changes.size)
-        updates: dict[str, object] = {}
+        updates: dict[str, Any] = {}  # (Any: for update's **changes, never its closed)
         if changes.mode is not None:
             updates["mode"] = stat.S_IMODE(changes.mode)
         if changes.uid is not None:
@@ -138,7 +139,7 @@ class Writes:
             self.meta.update(ino, mode=mode, pending=inode.pending | META,
                              ctime=self.inodes.clock())
 
-    async def _pwrite(self, fd: int, data: bytes, offset: int) -> int:
+    async def _pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
         """Write to a local copy, inline: a write into the page cache takes
         microseconds, less than handing it to a thread and back. A full cache
         disk first gets room made (:meth:`_free_disk`); ENOSPC only if none

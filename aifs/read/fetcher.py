@@ -23,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from aifs.buffers import Body
 from aifs.cache.blocks import BlockCache, ObjectVersion
 from aifs.cache.segments import SMALL, Location, checksum
 from aifs.errors import CorruptData, LakeError, PreconditionFailed
@@ -104,7 +105,7 @@ def read_ahead(ranges: list[tuple[int, int, int]]) -> None:
     trio.lowlevel.start_thread_soon(advise, lambda outcome: None)
 
 
-def verify(data: bytes | memoryview, expected: str, what: str) -> None:
+def verify(data: Body, expected: str, what: str) -> None:
     """Raise CorruptData unless ``data`` has the checksum a pack recorded."""
     if pack_checksum(data) != expected:
         raise CorruptData(f"{what}: checksum mismatch (the pack is damaged); "
@@ -115,7 +116,7 @@ def verify(data: bytes | memoryview, expected: str, what: str) -> None:
 class _Flight:
     done: trio.Event = field(default_factory=trio.Event)  # data (or error) at hand
     stored: trio.Event = field(default_factory=trio.Event)  # ... and on the cache disk
-    data: bytes | None = None
+    data: Body | None = None
     error: BaseException | None = None
     admitted: bool = False  # the cache took the block
     #: under the fetcher's store lock: stored, or never will be ...
@@ -141,7 +142,7 @@ class BlockFetcher:
         self.cache = cache
         self.block_size = block_size
         self.memory_bytes = memory_bytes
-        self._memory: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._memory: OrderedDict[tuple[str, int], Body] = OrderedDict()
         self._memory_used = 0
         self._flights: dict[tuple[str, int], _Flight] = {}
         self._prefetch_slots = trio.Semaphore(max_prefetch)
@@ -156,7 +157,7 @@ class BlockFetcher:
         self._storing = 0  # bytes of blocks fetched and not yet stored
         self._store_lock = threading.Lock()
         self._drained = threading.Condition(self._store_lock)
-        self._pending: deque[tuple[ObjectVersion, int, bytes, _Flight]] = deque()
+        self._pending: deque[tuple[ObjectVersion, int, Body, _Flight]] = deque()
         self._queued_slots: Counter[tuple[str, int]] = Counter()  # the blocks of _pending
         self._store_threads = 0
         self._token: trio.lowlevel.TrioToken | None = None
@@ -253,7 +254,7 @@ class BlockFetcher:
             os.close(self._fds.popitem(last=False)[1])
         return fd, where
 
-    async def block(self, version: ObjectVersion, index: int) -> bytes:
+    async def block(self, version: ObjectVersion, index: int) -> Body:
         """The whole block ``index`` of ``version``."""
         slot = (version.ident, index)
         data = self._memory.get(slot)
@@ -398,7 +399,7 @@ class BlockFetcher:
     # most STORE_THREADS threads of trio's cache, which report back only where
     # ``warm`` waits for a block.
 
-    def _store_later(self, version: ObjectVersion, index: int, data: bytes,
+    def _store_later(self, version: ObjectVersion, index: int, data: Body,
                      flight: _Flight) -> None:
         with self._store_lock:
             self._pending.append((version, index, data, flight))
@@ -447,6 +448,7 @@ class BlockFetcher:
                 flight.finished = True
                 tell = flight.watched
             if tell:
+                assert self._token is not None  # (set by start: a block is watched after)
                 self._token.run_sync_soon(flight.stored.set)
 
     def cached(self, version: ObjectVersion, index: int) -> bool:
@@ -503,7 +505,7 @@ class BlockFetcher:
                 nursery.start_soon(bounded, index)
         return fetched, refused
 
-    def _remember(self, slot: tuple[str, int], data: bytes) -> None:
+    def _remember(self, slot: tuple[str, int], data: Body) -> None:
         if len(data) > self.memory_bytes:
             return
         old = self._memory.pop(slot, None)

@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--size", default="1G")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--binding", dest="bindings", action="append",
-                        choices=["kernel", "pyfuse3", "uring"],
+                        choices=["kernel", "pyfuse3"],
                         help="this tree's bindings (default: kernel)")
     parser.add_argument("--work-dir", default="/var/tmp")
     args = parser.parse_args()

@@ -17,11 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aifs.core import Attributes, Filesystem, PlainEntries, SetAttributes
+from aifs.core import Attributes, Filesystem, Inode, PlainEntries, SetAttributes
 from aifs.errors import FsError
 from aifs.fuse.kernel import protocol as p
 from aifs.fuse.kernel.passthrough import Passthrough
-from aifs.meta.store import Inode
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,6 @@ class Operations:
         #: stop the kernel asking; no terminal here). A handler's coroutine and
         #: its raised error cost more than the rest of such a request.
         self.answered: dict[int, int] = {p.IOCTL: errno.ENOTTY}
-        #: called with each directory MKDIR made (the C read loop's, native.py)
-        self.made_dir: Callable[[Inode], None] | None = None
 
     # -- encoding -------------------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
@@ -155,12 +152,8 @@ class Operations:
     async def mkdir(self, req: Request, body: memoryview) -> Reply:
         mode, umask = p.MKDIR_IN.unpack_from(body)
         name, _ = p.cstring(body, p.MKDIR_IN.size)
-        inode = await self.fs.mkdir(req.nodeid, name, stat.S_IFDIR | mode & ~umask, req.uid,
-                                    req.gid)
-        reply = self.entry(inode)
-        if self.made_dir is not None:
-            self.made_dir(inode)
-        return reply
+        return self.entry(await self.fs.mkdir(req.nodeid, name, stat.S_IFDIR | mode & ~umask,
+                                              req.uid, req.gid))
 
     async def unlink(self, req: Request, body: memoryview) -> Reply:
         await self.fs.unlink(req.nodeid, p.cstring(body)[0])
@@ -229,7 +222,10 @@ class Operations:
     async def write(self, req: Request, body: memoryview) -> Reply:
         fh, offset, size, *_ = p.WRITE_IN.unpack_from(body)
         data = body[p.WRITE_IN.size:p.WRITE_IN.size + size]
-        return p.WRITE_OUT.pack(await self.fs.write(fh, offset, data), 0)
+        # (a view of the request, written as it is: Filesystem.write, in core.py,
+        # says bytes where Writes.write takes bytes | memoryview)
+        written = await self.fs.write(fh, offset, data)
+        return p.WRITE_OUT.pack(written, 0)
 
     async def flush(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.FLUSH_IN.unpack_from(body)
@@ -266,7 +262,7 @@ class Operations:
 
     async def _readdir(self, body: memoryview, plus: bool) -> Reply:
         fh, cookie, size, *_ = p.READ_IN.unpack_from(body)
-        out: list[bytes] = []
+        out: list[bytes | memoryview] = []  # (the reply's pieces: see Reply)
         sent: list[int] = []  # the kernel holds a reference to each entry of a plus reply
         ranges: list[tuple[int, int]] = []  # (first, count): plain entries sent
         room = size
@@ -317,7 +313,7 @@ class Operations:
             self.fs.remember_range(first, count)
         return out
 
-    def _pack_plain(self, rows: PlainEntries, out: list[bytes],
+    def _pack_plain(self, rows: PlainEntries, out: list[bytes | memoryview],
                     room: int) -> tuple[bool, int, int]:
         """READDIRPLUS records of ``rows`` while they fit ``room`` (what
         ``_readdir`` packs for the same entries, byte for byte): whether the

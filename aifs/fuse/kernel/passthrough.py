@@ -55,17 +55,8 @@ class Passthrough:
         self.handles[fh] = ino
         return entry[0]
 
-    def adopt(self, ino: int, fh: int, backing: int) -> None:
-        """Handle ``fh`` of ``ino`` went direct on ``backing``, registered by
-        the C read loop (``native.py``) for a create or open it answered
-        (``fh`` 0: one released before this was applied; :meth:`closed`)."""
-        entry = self.ids.setdefault(ino, [backing, 0])
-        entry[1] += 1
-        if fh:
-            self.handles[fh] = ino
-
     def closed(self, ino: int) -> None:
-        """A handle adopted as 0 is released."""
+        """One handle of ``ino`` on its backing id is released."""
         entry = self.ids[ino]
         entry[1] -= 1
         if entry[1] == 0:

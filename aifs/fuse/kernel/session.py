@@ -42,16 +42,8 @@ import trio
 
 from aifs.fuse.errors import errno_for
 from aifs.fuse.kernel import protocol as p
-from aifs.fuse.kernel import uring
-from aifs.fuse.kernel.native import Native
 from aifs.fuse.kernel.operations import Handler, Operations, Reply, Request, reply_parts
 from aifs.fuse.kernel.passthrough import Passthrough
-from aifs.fuse.kernel.rings import Rings
-
-try:  # the read loop in C (built with the package where a compiler was at hand)
-    from aifs.fuse.kernel import _native
-except ImportError:  # pragma: no cover - built without it: Python reads
-    _native = None
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +68,7 @@ STOPPING = sum(1 << (sig - 1) for sig in (signal.SIGINT, signal.SIGTERM, signal.
 class Session:
     def __init__(self, fd: int, ops: Operations, forget: Callable[[list[tuple[int, int]]], None],
                  passthrough: Passthrough, max_background: int = 12,
-                 want_passthrough: bool = False, poll: float = 0.0,
-                 transport: str = "dev", native: bool = True) -> None:
+                 want_passthrough: bool = False, poll: float = 0.0) -> None:
         self.fd = fd
         self.ops = ops
         self.forget = forget
@@ -94,71 +85,31 @@ class Session:
         self.idle = trio.lowlevel.ParkingLot()  # workers waiting for the role
         self.done = trio.Event()
         self.counts: collections.Counter[int] = collections.Counter()  # requests by opcode
-        # The read loop in C (_native.c; native.py), which answers some
-        # requests itself, counted there by opcode.
-        self.native = Native(_native.Front, fd, ops, passthrough, BUFFER) \
-            if native and _native is not None else None
         self.waited: collections.Counter[int] = collections.Counter()  # those that had to wait
         #: unique -> caller's pid of the INTERRUPTIBLE requests being served;
         #: INTERRUPTED once answered EINTR (their own answer is then dropped)
         self.pending: dict[int, int] = {}
         self._workers: trio.Nursery | None = None
-        self._outer: trio.Nursery | None = None
-        # FUSE over io_uring (transport "uring", where the kernel allows it)
-        self.rings = Rings(self, INTERRUPTIBLE, _stopping) \
-            if transport == "uring" and uring.enabled() else None
         os.set_blocking(fd, False)
 
     async def run(self) -> None:
         """Serve until the kernel ends the session (unmount) or :meth:`terminate`."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_done, nursery)
-            self._outer = nursery
             async with trio.open_nursery() as workers:
                 self._workers = workers
                 self._spawn()
-            if self.rings is not None:  # requests a ring's thread began may finish
-                await self.rings.stop(STOP_GRACE)
-            if self.native is not None:  # what its helper journaled last, applied
-                await self.native.finish()
             nursery.cancel_scope.cancel()  # every worker is done: no grace to wait out
 
-    def all_counts(self) -> collections.Counter[int]:
-        """Requests served by opcode, those the C loop answered included."""
-        counts = self.counts.copy()
-        if self.native is not None:
-            for op, n in enumerate(self.native.counts()):
-                if n:
-                    counts[op] += n
-        return counts
-
     def served(self) -> int:
-        return self.counts.total() + (sum(self.native.counts()) if self.native else 0)
-
-    def close(self) -> None:
-        if self.native is not None:
-            self.native.close()
+        return self.counts.total()
 
     def summary(self) -> str:
         """The requests served, by kind, most first (and how many had to wait)."""
         served = ", ".join(f"{p.NAMES.get(op, op)} {n}"
                            + (f" ({self.waited[op]} waited)" if self.waited[op] else "")
-                           for op, n in self.all_counts().most_common())
-        counts = self.native.counts() if self.native is not None else None
-        if counts is not None and sum(counts):
-            served += f"; {sum(counts)} of them answered by the C loop"
-            made = [f"{n} {what}" for n, what in ((counts[p.CREATE], "creates"),
-                                                  (counts[p.OPEN], "opens")) if n]
-            if made:
-                served += f" ({', '.join(made)})"
-        if self.rings is not None and self.rings.threads:
-            served += f"; {self.rings.answered} of them on {len(self.rings.threads)} io_uring rings"
+                           for op, n in self.counts.most_common())
         return served
-
-    def _rings_up(self) -> None:
-        """/dev/fuse now brings FORGETs and INTERRUPTs only: a poll there would
-        hold the core lock the rings' threads wait for."""
-        self.poll = 0.0
 
     def terminate(self) -> None:
         self.done.set()
@@ -168,8 +119,6 @@ class Session:
         cut in half would leave half a file), for a while."""
         await self.done.wait()
         trio.lowlevel.notify_closing(self.fd)  # wakes the reader waiting on it
-        if self.native is not None:
-            trio.lowlevel.notify_closing(self.native.efd)
         await trio.sleep(STOP_GRACE)
         nursery.cancel_scope.cancel()
 
@@ -240,8 +189,6 @@ class Session:
         return None
 
     async def _read(self, buf: bytearray) -> int | None:
-        if self.native is not None:
-            return await self._read_native(buf, self.native)
         since = time.perf_counter()
         while not self.done.is_set():
             try:
@@ -251,9 +198,9 @@ class Session:
                 return n
             except BlockingIOError:
                 if self.poll and self._close_together and not self.waiting:
-                    n = self._poll(buf, since)
-                    if n is not None:
-                        return n
+                    polled = self._poll(buf, since)
+                    if polled is not None:
+                        return polled
                     if self.done.is_set():  # stopped while it polled
                         break
                 try:
@@ -270,48 +217,6 @@ class Session:
                 return None
         return None
 
-    async def _read_native(self, buf: bytearray, native: Native) -> int | None:
-        """:meth:`_read` through the C loop, which answers what it can itself
-        (applied to the core before this returns) and polls as :meth:`_poll`
-        does."""
-        while not self.done.is_set():
-            if native.helper_reads:  # (creates came: the C helper thread reads)
-                try:
-                    n = await native.from_helper(buf)
-                except trio.ClosedResourceError:  # the session stops
-                    continue
-                if n > 0:
-                    self._close_together = True
-                    return n
-                if n < 0:
-                    return self._read_failed(n)
-                continue
-            spin = self.poll if self._close_together and not self.waiting else 0.0
-            since = time.perf_counter()
-            n, answered = await native.serve(buf, int(spin * 1e9))
-            if native.helper_reads:
-                continue
-            if n > 0:
-                self._close_together = bool(answered) or time.perf_counter() - since < self.poll
-                return n
-            if n < 0:
-                return self._read_failed(n)
-            if answered >= native.turns:  # a flood answered in C: let the rest of aifs run
-                await trio.lowlevel.checkpoint()
-                continue
-            # nothing came within the poll (if it polled): sleep in epoll, and
-            # poll again once requests come close together
-            self._close_together = bool(answered) and not spin
-            try:
-                await trio.lowlevel.wait_readable(self.fd)
-            except trio.ClosedResourceError:  # the session stops
-                continue
-        return None
-
-    def _read_failed(self, n: int) -> None:
-        if -n != errno.ENODEV:  # ENODEV: unmounted
-            log.error("reading /dev/fuse: %s", os.strerror(-n))
-
     async def _serve(self, data: memoryview) -> None:
         (length, opcode, unique, nodeid, uid, gid, pid, extlen,
          _) = p.IN_HEADER.unpack_from(data)
@@ -327,8 +232,6 @@ class Session:
             return
         if opcode == p.INTERRUPT:
             (which,) = p.INTERRUPT_IN.unpack_from(body)
-            if self.rings is not None and self.rings.interrupt(which):
-                return
             caller = self.pending.get(which, INTERRUPTED)
             if caller != INTERRUPTED and _stopping(caller):
                 self.pending[which] = INTERRUPTED
@@ -336,11 +239,6 @@ class Session:
             return
         if opcode == p.INIT:
             self._reply(unique, 0, self._init(body))
-            if self.native is not None:
-                self.native.started()
-            if self.rings is not None and self.rings.chosen:
-                assert self._outer is not None
-                self.rings.start(self._outer, self._rings_up)
             return
         if opcode == p.DESTROY:
             self._reply(unique, 0, b"")
@@ -350,14 +248,7 @@ class Session:
         if handler is None:
             self._reply(unique, self.ops.answered.get(opcode, errno.ENOSYS), b"")
             return
-        if self.native is None:
-            await self._handle(handler, opcode, unique, nodeid, uid, gid, pid, body)
-            return
-        marked = self.native.before(opcode, nodeid, body)
-        try:
-            await self._handle(handler, opcode, unique, nodeid, uid, gid, pid, body)
-        finally:
-            self.native.after(marked)
+        await self._handle(handler, opcode, unique, nodeid, uid, gid, pid, body)
 
     async def _handle(self, handler: Handler, opcode: int, unique: int, nodeid: int, uid: int,
                       gid: int, pid: int, body: memoryview) -> None:
@@ -373,8 +264,6 @@ class Session:
             return
         if interruptible and not self._answered(unique, reply if opcode == p.LOOKUP else None):
             return
-        if opcode == p.CREATE and self.native is not None:
-            self.native.created(nodeid, body)
         try:
             self._reply(unique, 0, reply)
         except Exception:  # a reply that cannot be encoded: the caller must not wait on
@@ -386,10 +275,10 @@ class Session:
         already. ``lookup``: a LOOKUP's reply, whose count goes back if dropped."""
         if self.pending.pop(unique, None) != INTERRUPTED:
             return True
-        self.give_back_lookup(lookup)
+        self._give_back_lookup(lookup)
         return False
 
-    def give_back_lookup(self, reply: Reply | None) -> None:
+    def _give_back_lookup(self, reply: Reply | None) -> None:
         """A LOOKUP answered EINTR already: the count its late reply took goes back."""
         if isinstance(reply, bytes | bytearray) and (nodeid := int.from_bytes(reply[:8],
                                                                              "little")):
@@ -428,11 +317,7 @@ class Session:
                 | p.MAX_PAGES | p.CACHE_SYMLINKS | p.HANDLE_KILLPRIV_V2 | p.INIT_EXT)
         if self.want_passthrough:
             want |= p.PASSTHROUGH
-        if self.rings is not None:
-            want |= p.OVER_IO_URING
         chosen = flags & want
-        if self.rings is not None:
-            self.rings.chosen = bool(chosen & p.OVER_IO_URING)
         self.passthrough.enabled = bool(chosen & p.PASSTHROUGH)
         log.info("FUSE protocol 7.%d; kernel offered %#x, using %#x", minor, flags, chosen)
         return p.INIT_OUT.pack(
