@@ -2,7 +2,7 @@
 
 Put it under the :class:`~aifs.lake.retry.RetryingStore` (``RetryingStore(
 FaultyStore(store))``) and every retry path of every lake operation runs
-without a network; ``tests/faultproxy.py`` does the same at the TCP level in
+without a network; ``tests/support/faultproxy.py`` does the same at the TCP level in
 front of a real S3 server. Each call draws from one seeded generator, so a run
 is repeatable. The kinds:
 

@@ -17,7 +17,7 @@ whose ``get``, ``put`` and ``delete`` in the entry databases materialize
 first: the rest of the store keeps reading and writing records as before.
 
 The numbers are given out in one order with batches or without (a listing's
-batched files first, the rest after): ``tests/test_batches.py`` runs the same
+batched files first, the rest after): ``tests/unit/test_batches.py`` runs the same
 operations on a store with batches and one without, compares every read,
 and then the records themselves.
 """

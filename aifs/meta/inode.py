@@ -115,7 +115,7 @@ class Inode:
                 is type(self.mtime_ns) is int and type(self.key) is type(self.etag) is str:
             # Most records (every listed object) are the head alone: formatted
             # here, with the JSON encoder's own string escaping, 6x faster than
-            # encoding a list (tests/test_meta.py checks both agree); a bool,
+            # encoding a list (tests/unit/test_meta.py checks both agree); a bool,
             # float or None where an int belongs goes the general way.
             return (f"[{self.ino:d},{_KIND_CODES[self.kind]},{_json_string(self.key)},"
                     f"{self.parent:d},{self.size:d},{_json_string(_etag_out(self.etag))},"

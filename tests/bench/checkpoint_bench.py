@@ -49,7 +49,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
 from common import (  # noqa: E402
     FuseDaemon,
     bench_lake,
@@ -57,7 +56,14 @@ from common import (  # noqa: E402
     drop_kernel_caches,
     finish,
 )
-from conftest import delete_prefix, file_digest  # noqa: E402
+from support.lakes import LOCAL_STAGING, Lake, delete_prefix  # noqa: E402
+from support.mounts import (  # noqa: E402
+    Mount,
+    file_digest,
+    wait_for,
+)
+from support.packed import lake_digest, lake_size  # noqa: E402
+from support.servers import S3Server  # noqa: E402
 
 from aifs.bench.mounts import daemon_cpu  # noqa: E402
 from aifs.config import parse_size  # noqa: E402
@@ -128,7 +134,7 @@ class LakeWatch:
     """Polls the lake directly (HEAD / stat, every ``interval`` s) in a thread for
     checkpoint objects reaching their full size, and for the marker naming them."""
 
-    def __init__(self, lake: conftest.Lake, interval: float) -> None:
+    def __init__(self, lake: Lake, interval: float) -> None:
         self.lake = lake
         self.interval = interval
         self.lock = threading.Lock()
@@ -157,7 +163,7 @@ class LakeWatch:
 
     def _size(self, key: str) -> int | None:
         self.requests += 1
-        return conftest.lake_size(self.lake, key)
+        return lake_size(self.lake, key)
 
     def _marker(self) -> int | None:
         """The index the marker names now (GET only when its ETag/mtime changed)."""
@@ -247,7 +253,7 @@ def cpu_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def server_pids(server: conftest.S3Server | None, work: Path) -> list[int]:
+def server_pids(server: S3Server | None, work: Path) -> list[int]:
     """The S3 server's processes: the Ceph daemons started with our config, or the
     moto server on our port."""
     if server is None:
@@ -337,7 +343,7 @@ def ensure_s3fs() -> str | None:
 class S3fsMount(FuseDaemon):
     """``s3fs BUCKET MNT -f`` (defaults otherwise: 10 MB parts, 5 in parallel)."""
 
-    def __init__(self, binary: str, server: conftest.S3Server, bucket: str, mountpoint: Path,
+    def __init__(self, binary: str, server: S3Server, bucket: str, mountpoint: Path,
                  work: Path) -> None:
         passwd = work / "s3fs.passwd"
         passwd.write_text(f"{server.env['AWS_ACCESS_KEY_ID']}:"
@@ -348,7 +354,7 @@ class S3fsMount(FuseDaemon):
         super().__init__(command, mountpoint, work / "s3fs.log", "s3fs")
 
 
-def emulated_write_through_loop(sd: dict[str, torch.Tensor], server: conftest.S3Server,
+def emulated_write_through_loop(sd: dict[str, torch.Tensor], server: S3Server,
                                 bucket: str, prefix: str, scratch: Path,
                                 args: argparse.Namespace) -> list[tuple[float, float]]:
     """What a write-through mount does in close(): the save lands in a local temp file,
@@ -371,7 +377,7 @@ def emulated_write_through_loop(sd: dict[str, torch.Tensor], server: conftest.S3
     return out
 
 
-def streamed_bytes(lake: conftest.Lake, key: str) -> int:
+def streamed_bytes(lake: Lake, key: str) -> int:
     """Bytes of parts the lake holds for unfinished multipart uploads of ``key``:
     what aifs streamed before the file was closed."""
     if lake.server:
@@ -383,7 +389,7 @@ def streamed_bytes(lake: conftest.Lake, key: str) -> int:
                                                  UploadId=u["UploadId"]).get("Parts", []))
     assert lake.root is not None
     total = 0
-    staging = lake.root / conftest.LOCAL_STAGING
+    staging = lake.root / LOCAL_STAGING
     for upload in staging.iterdir() if staging.is_dir() else []:
         with contextlib.suppress(OSError):
             if (upload / "key").read_text() == key:
@@ -441,7 +447,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="aifs-cbench-", dir="/var/tmp"))
     results: dict = {}
     stops: list = []
-    mounts: list[conftest.Mount] = []
+    mounts: list[Mount] = []
     s3fs_mounts: list[S3fsMount] = []
     failed = True
     try:
@@ -499,8 +505,8 @@ def main() -> int:
 
             # 3. aifs, then 4. the restore of its newest checkpoint
             print(" aifs", file=sys.stderr, flush=True)
-            mount = conftest.Mount(lake, work / "mnt", work / f"cache-{rep}",
-                                   work / "aifs.log", mount_args)
+            mount = Mount(lake, work / "mnt", work / f"cache-{rep}",
+                          work / "aifs.log", mount_args)
             mounts.append(mount)
             violations += aifs_run(sd, lake, mount, f"run-{rep}", newest, args, record,
                                    servers)
@@ -529,8 +535,8 @@ def main() -> int:
                                   pids={"daemon": [s3fs_mount.proc.pid], "server": servers})
                     s3fs_mount.stop()
                     s3fs_mounts.remove(s3fs_mount)
-                    found = conftest.lake_size(
-                        conftest.Lake(lake.kind, "", {}, [], server=server, bucket=lake.bucket),
+                    found = lake_size(
+                        Lake(lake.kind, "", {}, [], server=server, bucket=lake.bucket),
                         f"s3fs-{rep}/{newest.name}")
                     if found != ckpt_bytes:
                         raise RuntimeError(f"s3fs left {found} bytes of {newest.name} in the "
@@ -590,7 +596,7 @@ def main() -> int:
     return 0
 
 
-def aifs_run(sd: dict[str, torch.Tensor], lake: conftest.Lake, mount: conftest.Mount,
+def aifs_run(sd: dict[str, torch.Tensor], lake: Lake, mount: Mount,
              run_dir: str, newest_local: Path, args: argparse.Namespace,
              record, servers: list[int]) -> list[str]:
     """The training loop into the mount, its publication watched in the lake, then
@@ -598,8 +604,8 @@ def aifs_run(sd: dict[str, torch.Tensor], lake: conftest.Lake, mount: conftest.M
     marker-order violations seen."""
     (mount.path / run_dir).mkdir()
     # its directory marker object is promoted before the loop starts
-    conftest.wait_for(lambda: conftest.lake_size(lake, run_dir + "/") is not None,
-                      60, "the run directory in the lake")
+    wait_for(lambda: lake_size(lake, run_dir + "/") is not None,
+             60, "the run directory in the lake")
     watch = LakeWatch(lake, args.poll_interval)
     starts: dict[int, float] = {}
     streamed: list[int] = []
@@ -638,7 +644,7 @@ def aifs_run(sd: dict[str, torch.Tensor], lake: conftest.Lake, mount: conftest.M
     after = mount_stats(mount.path)
     record("aifs_restore_lake_gets", after["lake_gets"] - before["lake_gets"])
     key = f"{run_dir}/{newest_local.name}"
-    if conftest.lake_digest(lake, key) != file_digest(newest_local):
+    if lake_digest(lake, key) != file_digest(newest_local):
         raise RuntimeError(f"lake object {key}: other bytes than the local save")
     return watch.violations
 

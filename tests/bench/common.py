@@ -12,19 +12,21 @@ import sys
 import time
 from pathlib import Path
 
-import conftest
+from support.lakes import Lake
+from support.mounts import wait_for
+from support.servers import S3Server, ceph_process, moto_process
 
 from aifs.config import Config
 from aifs.daemon import tune_mount
 
 
-def start_server(kind: str, work: Path, stops: list, store_gb: int) -> conftest.S3Server:
+def start_server(kind: str, work: Path, stops: list, store_gb: int) -> S3Server:
     """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
     stack = contextlib.ExitStack()
     stops.append(stack.close)
     if kind == "moto":
-        return stack.enter_context(conftest.moto_process())
-    return stack.enter_context(conftest.ceph_process(work / "ceph", max(20, store_gb)))
+        return stack.enter_context(moto_process())
+    return stack.enter_context(ceph_process(work / "ceph", max(20, store_gb)))
 
 
 def aifs_sync(path: Path, timeout: float) -> None:
@@ -36,7 +38,7 @@ def aifs_sync(path: Path, timeout: float) -> None:
                            f"{result.stderr.strip()}")
 
 
-def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Path,
+def boto3_multipart(server: S3Server, bucket: str, key: str, source: Path,
                     threshold: int, part: int, parallel: int) -> float:
     from boto3.s3.transfer import TransferConfig
     config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=part,
@@ -48,24 +50,24 @@ def boto3_multipart(server: conftest.S3Server, bucket: str, key: str, source: Pa
 
 
 def bench_lake(kind: str, work: Path, stops: list, need_bytes: int,
-               prefix: str) -> tuple[conftest.Lake, conftest.S3Server | None]:
+               prefix: str) -> tuple[Lake, S3Server | None]:
     """A lake for a benchmark run: a local directory under ``work``, or a bucket
     on a moto or Ceph server sized for ``need_bytes`` (deleted objects are freed
     later by radosgw's GC)."""
     if kind == "local":
         root = work / "lake"
         root.mkdir()
-        return conftest.Lake("local", f"file://{root}", {}, [], root=root), None
+        return Lake("local", f"file://{root}", {}, [], root=root), None
     server = start_server(kind, work, stops, math.ceil(need_bytes * 1.5 / 1e9) + 4)
-    lake = conftest.Lake(kind, f"s3://bench/{prefix}", server.env,
-                         ["--endpoint-url", server.endpoint], server=server,
-                         bucket="bench", prefix=prefix + "/")
+    lake = Lake(kind, f"s3://bench/{prefix}", server.env,
+                ["--endpoint-url", server.endpoint], server=server,
+                bucket="bench", prefix=prefix + "/")
     server.client.create_bucket(Bucket=lake.bucket)
     return lake, server
 
 
 class FuseDaemon:
-    """A FUSE daemon other than aifs (those go through ``conftest.Mount``) run in
+    """A FUSE daemon other than aifs (those go through ``Mount``) run in
     the foreground: started and waited for until it serves ``mountpoint``;
     :meth:`stop` unmounts it and reaps the process, lazily if it will not go."""
 
@@ -77,8 +79,8 @@ class FuseDaemon:
             self.proc = subprocess.Popen(command, stdout=out,
                                          stderr=subprocess.STDOUT if out else None)
         try:
-            conftest.wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
-                              30, f"{what} to mount")
+            wait_for(lambda: os.path.ismount(mountpoint) or self.proc.poll() is not None,
+                     30, f"{what} to mount")
         except AssertionError:
             self.stop()
             raise

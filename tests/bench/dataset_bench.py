@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402
 from common import bench_lake, drop_kernel_caches, finish  # noqa: E402
+from support.mounts import Mount  # noqa: E402
 
 MiB = 1 << 20
 
@@ -105,8 +105,8 @@ def main() -> int:
             r["local_page_cache_epoch_s"] = epoch(local, args.samples, args.workers, 9, drop=False)
 
             # 2. the mount with a cache that holds everything
-            mount = conftest.Mount(lake, work / "mnt", work / "cache-all", work / "aifs.log",
-                                   [*base, "--cache-size", str(2 * total + 64 * MiB)])
+            mount = Mount(lake, work / "mnt", work / "cache-all", work / "aifs.log",
+                          [*base, "--cache-size", str(2 * total + 64 * MiB)])
             try:
                 r["aifs_full_cache_epoch_s"] = [epoch(mount.path / "train", args.samples,
                                                       args.workers, e)
@@ -119,8 +119,8 @@ def main() -> int:
             # 3. a cache half the dataset: dataset policy against LRU
             half = total // 2
             for policy in ("dataset", "default"):
-                mount = conftest.Mount(lake, work / "mnt", work / f"cache-{policy}",
-                                       work / "aifs.log", [*base, "--cache-size", str(half)])
+                mount = Mount(lake, work / "mnt", work / f"cache-{policy}",
+                              work / "aifs.log", [*base, "--cache-size", str(half)])
                 try:
                     os.setxattr(mount.path / "train", "user.aifs.policy", policy.encode())
                     times, ratios = [], []
@@ -134,8 +134,8 @@ def main() -> int:
                     mount.unmount()
 
         # 4. warmup into a fresh cache, against boto3 GETs of the same objects
-        mount = conftest.Mount(lake, work / "mnt", work / "cache-warm", work / "aifs.log",
-                               [*base, "--cache-size", str(2 * total + 64 * MiB)])
+        mount = Mount(lake, work / "mnt", work / "cache-warm", work / "aifs.log",
+                      [*base, "--cache-size", str(2 * total + 64 * MiB)])
         try:
             start = time.perf_counter()
             subprocess.run([sys.executable, "-m", "aifs", "warmup", "--quiet",

@@ -24,8 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402
 from common import drop_kernel_caches, finish  # noqa: E402
+from support.lakes import Lake  # noqa: E402
+from support.mounts import Mount  # noqa: E402
 
 from aifs.meta.store import MetaStore  # noqa: E402
 from aifs.pack.folds import (  # noqa: E402
@@ -123,10 +124,10 @@ def main() -> None:
         for variant, count in (("one fold", 1), ("sharded", shards)):
             root = work / f"lake-{count}"
             r[f"{variant} bytes"] = make_lake(root, index, args.files, args.dirs, count)
-            lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
+            lake = Lake("local", f"file://{root}", {}, [], root=root)
             drop_kernel_caches()
-            mount = conftest.Mount(lake, work / f"mnt-{count}", work / f"cache-{count}",
-                                   work / f"aifs-{count}.log", ["--log-level", "warning"])
+            mount = Mount(lake, work / f"mnt-{count}", work / f"cache-{count}",
+                          work / f"aifs-{count}.log", ["--log-level", "warning"])
             try:
                 start = time.perf_counter()
                 files, list_s, read_s = read_one_directory(mount.path / "tree" / target)

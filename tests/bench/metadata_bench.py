@@ -36,8 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402
 from common import aifs_sync, bench_lake, drop_kernel_caches, finish  # noqa: E402
+from support.lakes import Lake  # noqa: E402
+from support.mounts import Mount  # noqa: E402
 
 READER = """
 import sys
@@ -48,7 +49,7 @@ for path in sys.stdin.read().split("\\0"):
 """
 
 
-def requests(mount: conftest.Mount) -> dict[str, int]:
+def requests(mount: Mount) -> dict[str, int]:
     return json.loads(os.getxattr(mount.path, "user.aifs.metrics"))["lake"]["requests"]
 
 
@@ -57,12 +58,12 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def fresh_mount(lake: conftest.Lake, work: Path, name: str, options: list[str],
-                r: dict) -> Iterator[conftest.Mount]:
+def fresh_mount(lake: Lake, work: Path, name: str, options: list[str],
+                r: dict) -> Iterator[Mount]:
     """A mount with an empty cache of its own; the lake requests made inside
     the block go to ``r[name + "_requests"]``."""
-    mount = conftest.Mount(lake, work / "mnt", work / f"cache-{name}", work / "aifs.log",
-                           options)
+    mount = Mount(lake, work / "mnt", work / f"cache-{name}", work / "aifs.log",
+                  options)
     try:
         before = requests(mount)
         yield mount

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import FuseDaemon  # noqa: E402
 
-from aifs.bench import Mount, creates, opens, timed  # noqa: E402
+from aifs.bench.mounts import Mount, timed  # noqa: E402
+from aifs.bench.nvme import creates, opens  # noqa: E402
 from aifs.fuse.kernel import mount as kmount  # noqa: E402
 from aifs.fuse.kernel import protocol as p  # noqa: E402
 

@@ -30,8 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
 from common import aifs_sync, bench_lake, drop_kernel_caches, fuse_floor  # noqa: E402
+from support.lakes import lake_objects  # noqa: E402
+from support.mounts import Mount  # noqa: E402
+from support.packed import JOURNALS, PACKS  # noqa: E402
+from support.servers import S3Server  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -77,7 +80,7 @@ def metrics(mountpoint: Path) -> dict:
     return json.loads(os.getxattr(mountpoint, "user.aifs.metrics"))
 
 
-def boto3_gets(server: conftest.S3Server, bucket: str, keys: list[str],
+def boto3_gets(server: S3Server, bucket: str, keys: list[str],
                threads: int) -> float:
     def get(key: str) -> int:
         return len(server.client.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -87,7 +90,7 @@ def boto3_gets(server: conftest.S3Server, bucket: str, keys: list[str],
     return time.perf_counter() - start
 
 
-def boto3_puts(server: conftest.S3Server, bucket: str, items: dict[str, bytes],
+def boto3_puts(server: S3Server, bucket: str, items: dict[str, bytes],
                threads: int) -> None:
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda kv: server.client.put_object(Bucket=bucket, Key=kv[0],
@@ -113,7 +116,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="aifs-pbench-", dir="/var/tmp"))
     results: dict[str, float] = {}
     stops: list = []
-    mounts: list[conftest.Mount] = []
+    mounts: list[Mount] = []
     failed = True
     try:
         lake, server = bench_lake(args.lake, work, stops, 3 * args.files * size, "p")
@@ -135,7 +138,7 @@ def main() -> int:
                 raise RuntimeError(f"{wrong} files read back from the floor filesystem "
                                    "with other bytes")
 
-        writer = conftest.Mount(lake, work / "mnt-w", work / "cache-w", work / "w.log", common)
+        writer = Mount(lake, work / "mnt-w", work / "cache-w", work / "w.log", common)
         mounts.append(writer)
         (writer.path / "ds").mkdir()
         aifs_sync(writer.path, args.sync_timeout)
@@ -154,15 +157,15 @@ def main() -> int:
                                    - before["lake"]["requests"].get("PutObject", 0))
         writer.unmount()
         mounts.remove(writer)
-        objects = conftest.lake_objects(lake)
-        results["pack_objects"] = sum(1 for k in objects if k.startswith(conftest.PACKS)
+        objects = lake_objects(lake)
+        results["pack_objects"] = sum(1 for k in objects if k.startswith(PACKS)
                                       and not k.endswith("/"))
-        results["journal_objects"] = sum(1 for k in objects if k.startswith(conftest.JOURNALS)
+        results["journal_objects"] = sum(1 for k in objects if k.startswith(JOURNALS)
                                          and not k.endswith("/"))
         results["plain_objects"] = sum(1 for k in objects if k.startswith("ds/")
                                        and not k.endswith("/"))
 
-        reader = conftest.Mount(lake, work / "mnt-r", work / "cache-r", work / "r.log", common)
+        reader = Mount(lake, work / "mnt-r", work / "cache-r", work / "r.log", common)
         mounts.append(reader)
         seconds, wrong = read_all(reader.path / "ds", order, args.threads)
         if wrong:
@@ -214,8 +217,8 @@ def main() -> int:
 def first_stat(lake, work: Path, name: str, common: list[str]) -> tuple[float, int]:
     """A node new to the lake: seconds of its first ``stat`` (the journals or
     folds it replays, and the LIST of the root) and how many it read."""
-    mount = conftest.Mount(lake, work / f"mnt-{name}", work / f"cache-{name}",
-                           work / f"{name}.log", common)
+    mount = Mount(lake, work / f"mnt-{name}", work / f"cache-{name}",
+                  work / f"{name}.log", common)
     try:
         start = time.perf_counter()
         os.stat(mount.path / "ds")
@@ -229,13 +232,13 @@ def first_stat(lake, work: Path, name: str, common: list[str]) -> tuple[float, i
 def fold_rows(lake, work: Path, common: list[str], results: dict) -> None:
     """What a new node reads before and after ``aifs gc`` folds the journals."""
     def journal_bytes() -> int:
-        return sum(size for key, size in conftest.lake_objects(lake).items()
-                   if key.startswith(conftest.JOURNALS) and not key.endswith("/"))
+        return sum(size for key, size in lake_objects(lake).items()
+                   if key.startswith(JOURNALS) and not key.endswith("/"))
 
     results["journal_bytes"] = journal_bytes()
     results["new_node_stat_s"], results["new_node_journals"] = first_stat(
         lake, work, "n1", common)
-    folder = conftest.Mount(lake, work / "mnt-f", work / "cache-f", work / "f.log", common)
+    folder = Mount(lake, work / "mnt-f", work / "cache-f", work / "f.log", common)
     try:
         start = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", "aifs", "gc", str(folder.path)],

@@ -25,8 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import conftest  # noqa: E402  (reuses the test fixtures' servers and mount helper)
 from common import drop_kernel_caches  # noqa: E402
+from support.lakes import Lake  # noqa: E402
+from support.mounts import Mount  # noqa: E402
+from support.servers import S3Server, ceph_process, moto_process  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -42,7 +44,7 @@ def timed_read(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def boto3_parallel(server: conftest.S3Server, bucket: str, key: str, size: int,
+def boto3_parallel(server: S3Server, bucket: str, key: str, size: int,
                    part: int, parallel: int) -> float:
     def get(offset: int) -> int:
         resp = server.client.get_object(Bucket=bucket, Key=key,
@@ -55,7 +57,7 @@ def boto3_parallel(server: conftest.S3Server, bucket: str, key: str, size: int,
     return time.perf_counter() - start
 
 
-def boto3_single_stream(server: conftest.S3Server, bucket: str, key: str) -> float:
+def boto3_single_stream(server: S3Server, bucket: str, key: str) -> float:
     start = time.perf_counter()
     body = server.client.get_object(Bucket=bucket, Key=key)["Body"]
     while body.read(CHUNK):
@@ -92,14 +94,14 @@ def main() -> int:
             root = work / "lake"
             (root / "many").mkdir(parents=True)
             shutil.copyfile(data_file, root / args.name)
-            lake = conftest.Lake("local", f"file://{root}", {}, [], root=root)
+            lake = Lake("local", f"file://{root}", {}, [], root=root)
         else:
             server = start_server(args.lake, work, server_proc)
             bucket = "bench"
             server.client.create_bucket(Bucket=bucket)
-            lake = conftest.Lake(args.lake, f"s3://{bucket}/b", server.env,
-                                 ["--endpoint-url", server.endpoint], server=server,
-                                 bucket=bucket, prefix="b/")
+            lake = Lake(args.lake, f"s3://{bucket}/b", server.env,
+                        ["--endpoint-url", server.endpoint], server=server,
+                        bucket=bucket, prefix="b/")
             with open(data_file, "rb") as fp:
                 server.client.upload_fileobj(fp, bucket, f"b/{args.name}")
         mount_args = ["--block-size", args.block_size, "--readahead-max", args.readahead_max,
@@ -119,13 +121,13 @@ def main() -> int:
                 runs.setdefault("boto3_stream_s", []).append(
                     boto3_single_stream(server, lake.bucket, f"b/{args.name}"))
             cache = work / f"cache-{rep}"
-            mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
+            mount = Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
                 drop_kernel_caches()
                 runs.setdefault("aifs_cold_s", []).append(timed_read(mount.path / args.name))
             finally:
                 mount.unmount()
-            mount = conftest.Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
+            mount = Mount(lake, work / "mnt", cache, work / "aifs.log", mount_args)
             try:
                 drop_kernel_caches()
                 runs.setdefault("aifs_nvme_s", []).append(timed_read(mount.path / args.name))
@@ -151,14 +153,14 @@ def main() -> int:
     return 0
 
 
-def stat_bench(lake: conftest.Lake, work: Path, count: int,
+def stat_bench(lake: Lake, work: Path, count: int,
                mount_args: list[str]) -> dict[str, float]:
     assert lake.root is not None
     many = lake.root / "many"
     for i in range(count):
         (many / f"f{i:06d}").write_bytes(b"")
-    mount = conftest.Mount(lake, work / "mnt-stat", work / "cache-stat", work / "stat.log",
-                           mount_args)
+    mount = Mount(lake, work / "mnt-stat", work / "cache-stat", work / "stat.log",
+                  mount_args)
     try:
         names = [mount.path / "many" / f"f{i:06d}" for i in range(count)]
         start = time.perf_counter()
@@ -180,13 +182,13 @@ def stat_bench(lake: conftest.Lake, work: Path, count: int,
             "stat_local_s": local}
 
 
-def start_server(kind: str, work: Path, stops: list) -> conftest.S3Server:
+def start_server(kind: str, work: Path, stops: list) -> S3Server:
     """Start a moto or Ceph RGW server; its stop goes into ``stops``."""
     stack = contextlib.ExitStack()
     stops.append(stack.close)
     if kind == "moto":
-        return stack.enter_context(conftest.moto_process())
-    return stack.enter_context(conftest.ceph_process(work / "ceph", 20))
+        return stack.enter_context(moto_process())
+    return stack.enter_context(ceph_process(work / "ceph", 20))
 
 
 def report(args: argparse.Namespace, size: int, r: dict[str, float]) -> None:

@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/var/tmp")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from aifs.bench import creates, opens, timed
+    from aifs.bench.mounts import timed
+    from aifs.bench.nvme import creates, opens
 
     work = Path(tempfile.mkdtemp(prefix="aifs-requests-", dir=args.work_dir))
     lake, mnt, local, summary = work / "lake", work / "mnt", work / "local", work / "times.json"
@@ -89,8 +90,7 @@ def main() -> None:
     proc = subprocess.Popen(
         [sys.executable, __file__, "--daemon", str(summary), "mount", str(lake), str(mnt),
          "--foreground", "--cache-dir", str(work / "cache"), "--fuse-binding", "kernel",
-         "--promote-delay", args.promote_delay, "--log-level", "warning"],
-        env=dict(os.environ, AIFS_FUSE_TRANSPORT="dev"))
+         "--promote-delay", args.promote_delay, "--log-level", "warning"])
     bursts: list[dict[str, float]] = []
     try:
         deadline = time.monotonic() + 60

@@ -20,9 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import conftest  # noqa: E402
 from common import drop_kernel_caches, finish  # noqa: E402
 from metadata_bench import lmdb_bytes, walk_lstat  # noqa: E402
+from support.lakes import Lake  # noqa: E402
+from support.mounts import Mount  # noqa: E402
 
 
 def make_tree(root: Path, files: int, dirs: int) -> None:
@@ -71,10 +72,10 @@ def main() -> None:
         drop_kernel_caches()
         count, r["local_walk_s"] = walk_lstat(lake_root / "tree")
         assert count == args.files, count
-        lake = conftest.Lake("local", f"file://{lake_root}", {}, [], root=lake_root)
+        lake = Lake("local", f"file://{lake_root}", {}, [], root=lake_root)
         drop_kernel_caches()
-        mount = conftest.Mount(lake, work / "mnt", work / "cache", work / "aifs.log",
-                               args.mount_option)
+        mount = Mount(lake, work / "mnt", work / "cache", work / "aifs.log",
+                      args.mount_option)
         try:
             before = memory_kib(mount.proc.pid)
             count, r["aifs_walk_s"] = walk_lstat(mount.path / "tree")

@@ -33,9 +33,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import conftest  # noqa: E402  (reuses the test fixtures' servers, mount helper, lake views)
 from common import aifs_sync, bench_lake, boto3_multipart, fuse_floor  # noqa: E402
-from conftest import delete_prefix  # noqa: E402
+from support.lakes import (  # noqa: E402
+    Lake,
+    delete_prefix,
+    lake_keys,
+)
+from support.mounts import Mount  # noqa: E402
+from support.packed import lake_digest, lake_size  # noqa: E402
+from support.servers import S3Server  # noqa: E402
 
 from aifs.config import parse_size  # noqa: E402
 
@@ -88,7 +94,7 @@ def cli_startup() -> float:
     return time.perf_counter() - start
 
 
-def boto3_puts(server: conftest.S3Server, bucket: str, prefix: str, directory: Path,
+def boto3_puts(server: S3Server, bucket: str, prefix: str, directory: Path,
                count: int, threads: int) -> float:
     def put(i: int) -> None:
         name = f"f{i:06d}"
@@ -100,16 +106,16 @@ def boto3_puts(server: conftest.S3Server, bucket: str, prefix: str, directory: P
     return time.perf_counter() - start
 
 
-def check_big(lake: conftest.Lake, key: str, size: int, expected: str) -> None:
-    found = conftest.lake_size(lake, key)
+def check_big(lake: Lake, key: str, size: int, expected: str) -> None:
+    found = lake_size(lake, key)
     if found != size:
         raise RuntimeError(f"lake object {key}: size {found}, expected {size}")
-    if conftest.lake_digest(lake, key) != expected:
+    if lake_digest(lake, key) != expected:
         raise RuntimeError(f"lake object {key}: wrong bytes")
 
 
-def check_many(lake: conftest.Lake, under: str, count: int, size: int) -> None:
-    keys = [k for k in conftest.lake_keys(lake) if k.startswith(under) and k != under]
+def check_many(lake: Lake, under: str, count: int, size: int) -> None:
+    keys = [k for k in lake_keys(lake) if k.startswith(under) and k != under]
     if len(keys) != count:
         raise RuntimeError(f"{len(keys)} objects under {under} in the lake, expected {count}")
     for i in sorted({0, count // 3, count // 2, count - 1}):
@@ -145,7 +151,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="aifs-wbench-", dir="/var/tmp"))
     results: dict[str, float] = {}
     stops: list = []
-    mounts: list[conftest.Mount] = []
+    mounts: list[Mount] = []
     failed = True
     try:
         # Each run leaves its objects until the next run starts: size the store for all.
@@ -176,12 +182,12 @@ def main() -> int:
         for rep in range(args.runs):
             print(f"run {rep + 1}/{args.runs}", file=sys.stderr, flush=True)
             local_big = work / f"local-{rep}.bin"
-            mount = conftest.Mount(lake, work / "mnt", work / f"cache-{rep}",
-                                   work / "aifs.log", mount_args)
+            mount = Mount(lake, work / "mnt", work / f"cache-{rep}",
+                          work / "aifs.log", mount_args)
             mounts.append(mount)
-            plain = conftest.Mount(lake, work / "mnt-plain", work / f"cache-plain-{rep}",
-                                   work / "aifs-plain.log",
-                                   [*mount_args, "--stream-large-files", "false"])
+            plain = Mount(lake, work / "mnt-plain", work / f"cache-plain-{rep}",
+                          work / "aifs-plain.log",
+                          [*mount_args, "--stream-large-files", "false"])
             mounts.append(plain)
             big = f"big-{rep}.bin"
             # The five writes of the same bytes, in an order that turns from run to

@@ -8,8 +8,8 @@ import errno
 import os
 from pathlib import Path
 
-from conftest import wait_for
 from difftools import both, fresh_stat
+from support.mounts import wait_for
 
 
 def test_futimens_on_a_file_open_for_writing_keeps_its_data(sides):

@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import lake_tree
 from fsxops import (
     FRESH,
     LOG_TAIL,
@@ -53,6 +52,7 @@ from fsxops import (
     snapshot,
     tree_differences,
 )
+from support.lakes import lake_tree
 
 # Mount options per lake kind: promotion at once (uploads race the next operations)
 # on the local lake, batched on moto; packs put soon; multipart from 5 MiB.

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import HEAVY_LAKES
 from progtools import (
     DEEP_LEVELS,
     DEEP_LEVELS_S3,
@@ -39,6 +38,7 @@ from progtools import (
     without,
     without_dir_times,
 )
+from support.lakes import HEAVY_LAKES
 
 Copier = Callable[[Path, Path], object]
 

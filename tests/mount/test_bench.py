@@ -10,7 +10,7 @@ import shutil
 import uuid
 
 import pytest
-from conftest import lake_objects, lake_uploads
+from support.lakes import lake_objects, lake_uploads
 
 from aifs.bench.lake import table
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import wait_for
+from support.mounts import wait_for
 
 from aifs.meta.objattrs import encode_xattrs
 

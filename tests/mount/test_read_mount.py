@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import xxhash
-from conftest import HEAVY_LAKES, wait_for
+from support.lakes import HEAVY_LAKES
+from support.mounts import wait_for
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 BLOCK = MiB  # tests mount with --block-size 1M so block edges are cheap to reach
 
 
@@ -379,3 +380,31 @@ def test_mount_gets_its_kernel_readahead_and_request_queue(lake, mounter):
     # The daemon writes them one after the other once the mount answers.
     wait_for(lambda: settings() == expected, 10, "the kernel settings")
     assert settings() == expected
+
+
+@pytest.mark.parametrize("lake", ["local"], indirect=True)
+def test_a_damaged_cached_block_is_fetched_again_not_served(lake, mounter):
+    damaged, intact = os.urandom(20 * KiB), os.urandom(30 * KiB)
+    lake.put("damaged.bin", damaged)
+    lake.put("intact.bin", intact)
+    mount = mounter(lake, name="first", cache="shared")
+    for name, data in (("damaged.bin", damaged), ("intact.bin", intact)):
+        assert (mount.path / name).read_bytes() == data
+        wait_for(lambda name=name, data=data: int(os.getxattr(
+            mount.path / name, "user.aifs.cached_bytes")) == len(data), 10, "cached")
+    mount.unmount()
+    # a crash that tore one block: its bytes in the segment are not what was stored
+    segment = mount.cache_dir / "segments" / "1.seg"
+    body = segment.read_bytes()
+    at = body.index(damaged[:64])
+    with open(segment, "r+b") as f:
+        f.seek(at + 100)
+        f.write(b"\0" * 100)
+
+    again = mounter(lake, name="second", cache="shared")
+    assert (again.path / "intact.bin").read_bytes() == intact
+    stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
+    assert stats["lake_gets"] == 0 and stats["disk_hits"] > 0
+    assert (again.path / "damaged.bin").read_bytes() == damaged
+    stats = json.loads(os.getxattr(again.path, "user.aifs.stats"))
+    assert stats["lake_gets"] == 1

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import lake_tree
+from support.lakes import lake_tree
 
 MiB = 1 << 20
 
@@ -131,7 +131,7 @@ def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, a
     with ENOSPC and one line that says so, not EIO; no partial object shows
     in the lake; the file stays readable here; once the lake has room again
     the next sync puts it there whole."""
-    from conftest import Lake
+    from support.lakes import Lake
 
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
     lake = Lake("local", f"file://{small_disk / 'lake'}", {}, [], root=small_disk / "lake")

@@ -11,7 +11,7 @@ import yaml
 
 from aifs.config import load_config
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MANIFESTS = ["aifs-daemonset.yaml", "example-training-pod.yaml"]
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from conftest import lake_tree
+from support.lakes import lake_tree
 
 KILLS = int(os.environ.get("AIFS_KILLS", "40"))
 

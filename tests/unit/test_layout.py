@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "aifs"
+PACKAGE = Path(__file__).resolve().parents[2] / "aifs"
 
 
 def _modules() -> dict[str, Path]:

@@ -14,10 +14,10 @@ import random
 import time
 
 import pytest
+from support.meta import meta_dump
 
 from aifs.meta.inode import DATA, META
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore
-from tests.test_meta import _dump
 
 
 class Pair:
@@ -79,7 +79,7 @@ class Pair:
 
     def close(self) -> None:
         self.a.materialize_all()
-        dumps = [_dump(self.a), _dump(self.b)]
+        dumps = [meta_dump(self.a), meta_dump(self.b)]
         assert dumps[0] == dumps[1]
         self.a.close()
         self.b.close()
@@ -252,10 +252,10 @@ def test_a_store_of_schema_5_opens_as_6_with_its_records_as_they_were(tmp_path):
                        now=1)
     with meta.env.begin(write=True) as txn:
         txn.put(SYS_SCHEMA, b"5", db=meta.env.open_db(DB_SYS, txn=txn))
-    before = _dump(meta)
+    before = meta_dump(meta)
     meta.close()
     meta = MetaStore(tmp_path / "m")
-    after = _dump(meta)
+    after = meta_dump(meta)
     assert after.pop(b"sys") != before.pop(b"sys") and SCHEMA_VERSION == b"6"
     assert after == before
     assert meta.lookup(ROOT_INO, b"f").size == 3

@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import (
-    HEAVY_LAKES,
-    lake_keys,
-    lake_meta,
-    lake_size,
-    lake_tree,
-    lake_upload_parts,
-    lake_uploads,
-    mtime_ns_of,
-    wait_for,
-)
+from support.lakes import HEAVY_LAKES, lake_keys, lake_tree, lake_upload_parts, lake_uploads
+from support.mounts import wait_for
+from support.packed import lake_meta, lake_size, mtime_ns_of
 
 MiB = 1 << 20
 RENAME_NOREPLACE = 1
@@ -930,7 +922,7 @@ def test_a_file_the_lake_refuses_does_not_keep_the_others_out_at_unmount(tmp_pat
     immutable) must not make the unmount give up on every other pending file."""
     import subprocess
 
-    from conftest import Lake
+    from support.lakes import Lake
     root = tmp_path / "lake"
     (root / "blocked").mkdir(parents=True)
     lake = Lake("local", f"file://{root}", {}, [], root=root)

@@ -20,8 +20,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import Lake, file_digest, lake_tree, wait_for
-from faultproxy import FaultProxy
+from support.faultproxy import FaultProxy
+from support.lakes import Lake, lake_tree
+from support.mounts import file_digest, wait_for
 
 from aifs.daemon import mount_type
 from aifs.fuse.kernel import protocol as p
@@ -56,7 +57,7 @@ def test_the_mount_says_which_binding_serves_it(lake, mounter) -> None:
 
 def test_a_file_written_here_is_read_and_written_past_the_daemon(tmp_path, mounter,
                                                                   aifs_cli) -> None:
-    from conftest import _make_lake  # local lake: writers go direct where nothing streams
+    from support.lakes import _make_lake  # local lake: writers go direct where nothing streams
     lake = _make_lake("local", None, tmp_path)
     m = kernel_mount(lake, mounter)
     data = os.urandom(8 * MiB + 123)
@@ -76,7 +77,7 @@ def test_a_file_written_here_is_read_and_written_past_the_daemon(tmp_path, mount
 
 
 def test_direct_writes_keep_sizes_and_times_as_tmpfs_does(tmp_path, tmpfs, mounter) -> None:
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     m = kernel_mount(lake, mounter)
     for root in (tmpfs, m.path):
@@ -107,7 +108,7 @@ def test_a_reader_in_passthrough_and_a_later_writer_share_the_file(tmp_path, mou
     # The kernel wants every open of an inode in passthrough while one is
     # (otherwise: EIO). A writer that opens while a direct reader holds the
     # file must work, and the reader must see its bytes.
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     m = kernel_mount(lake, mounter, "--stream-large-files", "false")
     f = m.path / "shared"
@@ -125,7 +126,7 @@ def test_a_reader_in_passthrough_and_a_later_writer_share_the_file(tmp_path, mou
 
 
 def test_mmap_writes_reach_the_lake(tmp_path, mounter) -> None:
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     m = kernel_mount(lake, mounter)
     f = m.path / "mapped"
@@ -153,7 +154,7 @@ def test_a_file_of_the_lake_not_yet_local_is_served_by_the_daemon(lake, mounter,
 
 
 def test_passthrough_off_serves_every_read_in_the_daemon(tmp_path, mounter) -> None:
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     m = kernel_mount(lake, mounter, "--passthrough", "false")
     (m.path / "f").write_bytes(b"abc" * 1000)
@@ -184,7 +185,7 @@ def test_fusermount3_mounts_and_hands_the_session_back(tmp_path) -> None:
 
 def test_a_mount_option_the_kernel_does_not_take_is_refused_in_one_line(tmp_path, mounter,
                                                                          ) -> None:
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     with pytest.raises(AssertionError) as info:
         mounter(lake, "--fuse-binding", "kernel", "-o", "no_such_option")
@@ -232,7 +233,7 @@ def test_a_first_epoch_over_packed_files_makes_no_local_copies(lake, mounter,
     # them is still their first read: none gets a local copy of its own (the
     # first epoch would write the dataset to disk a second time). A file read
     # again gets one; its next open goes direct.
-    from conftest import lake_packed
+    from support.packed import lake_packed
     files = {f"ds/s{i:03d}.bin": os.urandom(1000 + 97 * i) for i in range(40)}
     writer = kernel_mount(lake, mounter, name="writer")
     (writer.path / "ds").mkdir()
@@ -314,7 +315,7 @@ def test_a_large_object_still_open_keeps_its_blocks_until_its_last_close(lake,
 def test_a_directory_of_thousands_is_listed_whole(tmp_path, mounter) -> None:
     # The kernel asks for directory pages of up to 1 MiB (MAX_PAGES): a page
     # holds thousands of entries, more than one writev may carry in pieces.
-    from conftest import _make_lake
+    from support.lakes import _make_lake
     lake = _make_lake("local", None, tmp_path)
     names = {f"d/n{i:05d}" for i in range(5000)}
     lake.put_many({name: b"x" for name in names})
@@ -332,7 +333,9 @@ def test_a_direct_writer_is_streamed_and_a_rewrite_after_a_part_is_caught(
     # written (its growth is followed). A rewrite of bytes already sent cannot
     # be seen as it happens: the parts are checked against the copy before the
     # upload completes, so the lake holds the bytes written last either way.
-    from conftest import lake_digest, lake_size, lake_upload_parts, wait_for
+    from support.lakes import lake_upload_parts
+    from support.mounts import wait_for
+    from support.packed import lake_digest, lake_size
     m = kernel_mount(lake, mounter, "--part-size", "5M", "--multipart-threshold", "5M",
                      "--stream-checkpoints", "true")
     (m.path / "ckpt").mkdir()

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import AIFS, HELPER, REPO, Lake, lake_sizes, wait_for
+from support.lakes import Lake, lake_sizes
+from support.mounts import AIFS, HELPER, REPO, wait_for
 
 from aifs.cli import process_alive
 from aifs.daemon import mount_type

@@ -23,15 +23,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import (
-    lake_digest,
-    lake_keys,
-    lake_size,
-    lake_tree,
-    lake_upload_parts,
-    lake_uploads,
-    wait_for,
-)
+from support.lakes import lake_keys, lake_tree, lake_upload_parts, lake_uploads
+from support.mounts import wait_for
+from support.packed import lake_digest, lake_size
 
 MiB = 1 << 20
 POLICY = "user.aifs.policy"

@@ -5,7 +5,7 @@ The fault-injecting store (aifs/lake/faulty.py) fails a share of the calls,
 seeded, in one way at a time: before the store saw the request, after it acted
 (the lost reply), with a cut body, late, or with 503 SlowDown. What must hold:
 the right answer every time, no upload left behind, retries counted by cause.
-The same at the TCP level in front of a real S3 server: tests/test_faults.py.
+The same at the TCP level in front of a real S3 server: tests/faults/test_faults.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import random
 
 import pytest
 import trio
-from conftest import Lake, lake_uploads
+from support.lakes import Lake, lake_uploads
 
 from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles

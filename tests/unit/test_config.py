@@ -10,7 +10,7 @@ import pytest
 from aifs.config import load_config, option_fields, parse_size
 from aifs.errors import ConfigError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_sizes():

@@ -6,7 +6,7 @@ import os
 import signal
 
 import pytest
-from conftest import process_alive, wait_for
+from support.mounts import process_alive, wait_for
 
 from aifs import __version__
 

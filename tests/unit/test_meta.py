@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.meta import meta_dump
 
 from aifs.meta.batches import batchable
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
@@ -377,16 +378,6 @@ def test_a_decoded_inode_changed_in_place_leaves_the_next_decode_alone():
     assert again.links == [] and again.xattrs == {}
 
 
-def _dump(meta: MetaStore) -> dict[bytes, list[tuple[bytes, bytes]]]:
-    """Every record of every database of the store."""
-    out = {}
-    with meta.env.begin() as txn:
-        for name, _ in txn.cursor():
-            db = meta.env.open_db(bytes(name), txn=txn)
-            out[bytes(name)] = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
-    return out
-
-
 def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_path,
                                                                           monkeypatch):
     """A directory's first listing writes its records in bulk; the store ends
@@ -426,7 +417,7 @@ def test_a_first_listing_in_bulk_stores_what_the_entry_by_entry_path_does(tmp_pa
         result = meta.apply_listing(dst.ino, listed, now=7, started=6, names=names)
         # (dst's batch became records within the listing: "twin" names a batched key)
         assert meta.materialize_all() == 0
-        dump = _dump(meta)
+        dump = meta_dump(meta)
         meta.close()
         monkeypatch.undo()
         return result, names, dump

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-from conftest import Lake, lake_tree
+from support.lakes import Lake, lake_tree
 
 from aifs.cache.blocks import BlockCache
 from aifs.cache.files import LocalFiles

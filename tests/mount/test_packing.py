@@ -18,16 +18,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import (
-    HEAVY_LAKES,
-    JOURNALS,
-    PACKS,
-    lake_digest,
-    lake_objects,
-    lake_packed,
-    lake_packed_bytes,
-    wait_for,
-)
+from support.lakes import HEAVY_LAKES, lake_objects
+from support.mounts import wait_for
+from support.packed import JOURNALS, PACKS, lake_digest, lake_packed, lake_packed_bytes
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -38,15 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import (
-    HEAVY_LAKES,
-    file_digest,
-    lake_digest,
-    lake_sizes,
-    lake_upload_parts,
-    lake_uploads,
-    wait_for,
-)
+from support.lakes import HEAVY_LAKES, lake_sizes, lake_upload_parts, lake_uploads
+from support.mounts import file_digest, wait_for
+from support.packed import lake_digest
 
 MiB = 1 << 20
 

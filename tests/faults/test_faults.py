@@ -1,6 +1,6 @@
 """The lake misbehaving: a TCP proxy in front of the real S3 server (moto) resets
 connections before the server saw a request, loses the server's reply after it
-acted on it, and truncates reply bodies (tests/faultproxy.py), seeded.
+acted on it, and truncates reply bodies (tests/support/faultproxy.py), seeded.
 
 What must hold: applications see no error, no closed file is lost or wrong, no
 partial object stands under a real name, and no multipart upload is left behind
@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import Lake, lake_tree, lake_uploads
-from faultproxy import KINDS, FaultProxy
+from support.faultproxy import KINDS, FaultProxy
+from support.lakes import Lake, lake_tree, lake_uploads
 
 from aifs.lake.retry import RetryingStore, RetryPolicy
 from aifs.lake.s3 import S3Store

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import HEAVY_LAKES
+from support.lakes import HEAVY_LAKES
 from torch.utils.data import DataLoader, Dataset
 
 MiB = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from conftest import wait_for
+from support.mounts import wait_for
 
 from aifs.cache.files import SPARES_MIN, LocalFiles
 

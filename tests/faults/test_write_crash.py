@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import (
-    file_digest,
-    lake_digest,
-    lake_keys,
-    lake_size,
-    lake_upload_parts,
-    lake_uploads,
-    wait_for,
-)
+from support.lakes import lake_keys, lake_upload_parts, lake_uploads
+from support.mounts import file_digest, wait_for
+from support.packed import lake_digest, lake_size
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from conftest import AIFS, HELPER, wait_for
+from support.mounts import AIFS, HELPER, wait_for
 
 MiB = 1 << 20
 

@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import lake_tree
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+from support.lakes import lake_tree
 
 NAMES = ["a", "b", "c"]
 PATHS = NAMES + [f"{x}/{y}" for x in NAMES for y in NAMES]
