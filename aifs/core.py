@@ -139,7 +139,9 @@ class Filesystem:
         return self.hosting.flush_on_unmount
 
     def attributes(self, inode: Inode) -> Attributes:
-        return self.inodes.attributes(inode)
+        """With what direct writers wrote (every reply that carries attributes
+        must: the kernel takes the size of the last one)."""
+        return self.inodes.attributes(self.direct.absorbed(inode))
 
     def save_dir_times(self) -> None:
         self.inodes.save_dir_times()
@@ -225,35 +227,38 @@ class Filesystem:
         return await self.writes.write(fh, offset, data)
 
     async def setattr(self, ino: int, changes: SetAttributes, fh: int | None = None) -> Inode:
-        return await self.writes.setattr(ino, changes)
+        self.direct.absorb(ino)  # what direct writers wrote, before it changes
+        inode = await self.writes.setattr(ino, changes)
+        self.direct.rebase(ino)  # aifs's own change of the copy: not a direct write
+        return inode
 
     def kill_setid(self, ino: int) -> None:
         self.writes.kill_setid(ino)
 
     async def flush(self, fh: int) -> None:
+        self.direct.absorb_handle(fh)
         await self.open_files.flush(fh)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
+        self.direct.absorb_handle(fh)
         await self.open_files.fsync(fh, datasync)
 
-    def release(self, fh: int) -> None:
+    def release(self, fh: int, direct: bool | None = None) -> None:
+        """``direct``: the handle was direct (passthrough: its writes are
+        taken along), or served by the daemon where it could have been (its
+        file may get a local copy, to go direct next time); None: no
+        passthrough here."""
+        if direct is not None:
+            self.direct_released(fh, direct)
         self.open_files.release(fh)
 
     # -- direct handles, past the daemon (posix.direct) --------------------------------
     async def direct_backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:
         return await self.direct.backing(fh, inode_is_direct, pid)
 
-    def absorb(self, ino: int) -> None:
-        self.direct.absorb(ino)
-
-    def absorbed(self, inode: Inode) -> Inode:
-        return self.direct.absorbed(inode)
-
-    def rebase(self, ino: int) -> None:
-        self.direct.rebase(ino)
-
     def direct_released(self, fh: int, direct: bool = True) -> None:
-        """Handle ``fh`` closes: direct, or served by the daemon (a copy may follow)."""
+        """Handle ``fh`` is no longer direct (its release, or a backing file
+        the kernel refused), or was served by the daemon (a copy may follow)."""
         self.direct.released(fh) if direct else self.direct.admissions.closed(fh)
 
     def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes

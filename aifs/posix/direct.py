@@ -173,6 +173,12 @@ class Direct:
         if old is not None and size > old[0]:
             inodes.counters.write_bytes += size - old[0]
 
+    def absorb_handle(self, fh: int) -> None:
+        """:meth:`absorb` for the file of handle ``fh`` (flush, fsync)."""
+        handle = self.inodes.files.get(fh)
+        if handle is not None and handle.ino in self.writers:
+            self.absorb(handle.ino)
+
     def absorbed(self, inode: Inode) -> Inode:
         """``inode`` with what direct writers wrote (every reply that carries
         attributes must: the kernel takes the size of the last one)."""

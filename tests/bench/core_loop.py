@@ -55,7 +55,6 @@ async def bursts(work: Path, files: int, count: int, thrash: int) -> list[dict[s
                     if thrash:
                         bytes(thrash)  # (not timed)
                     written = time.perf_counter()
-                    fs.absorb(inode.ino)
                     await fs.flush(fh)
                     flushed = time.perf_counter()
                     fs.release(fh)

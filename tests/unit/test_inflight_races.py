@@ -531,8 +531,7 @@ async def test_a_file_a_writer_past_the_daemon_opens_while_its_pack_waits(tmp_pa
             await trio.sleep(0.01)
     entry = fs.promoter.packer.index.entry("a")
     assert entry is None or entry.length == len(small), entry
-    fs.direct_released(fh)
-    fs.release(fh)
+    fs.release(fh, direct=True)
     await _sync(fs)
     assert _lake_files(tmp_path) == {"a": big}
     await fs.rename(ROOT_INO, b"a", ROOT_INO, b"b", 0)
@@ -674,8 +673,7 @@ async def _read_through_the_daemon(fs, name: bytes) -> bytes:
     data = b""
     while chunk := await fs.read(fh, len(data), MiB):
         data += bytes(chunk)
-    fs.direct_released(fh, direct=False)
-    fs.release(fh)
+    fs.release(fh, direct=False)
     return data
 
 

@@ -74,7 +74,7 @@ class Operations:
 
     # -- encoding -------------------------------------------------------------------
     def attributes(self, inode: Inode) -> Attributes:
-        return self.fs.attributes(self.fs.absorbed(inode))
+        return self.fs.attributes(inode)
 
     def attr(self, a: Attributes) -> bytes:
         return p.ATTR.pack(*self.attr_fields(a))
@@ -118,7 +118,6 @@ class Operations:
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid,
          _) = p.SETATTR_IN.unpack_from(body)
         now = time.time_ns()
-        self.fs.absorb(req.nodeid)
         if valid & p.FATTR_KILL_SUIDGID and not valid & p.FATTR_MODE:
             self.fs.kill_setid(req.nodeid)  # a truncate by an unprivileged user
         changes = SetAttributes(
@@ -130,10 +129,8 @@ class Operations:
             if valid & p.FATTR_MTIME else None,
             atime_ns=(now if valid & p.FATTR_ATIME_NOW else atime * 10**9 + atimensec)
             if valid & p.FATTR_ATIME else None)
-        inode = await self.fs.setattr(req.nodeid, changes,
-                                      fh if valid & p.FATTR_FH else None)
-        self.fs.rebase(req.nodeid)
-        return self.attr_out(inode)
+        return self.attr_out(await self.fs.setattr(req.nodeid, changes,
+                                                   fh if valid & p.FATTR_FH else None))
 
     async def readlink(self, req: Request, body: memoryview) -> Reply:
         return await self.fs.readlink(req.nodeid)
@@ -229,21 +226,20 @@ class Operations:
 
     async def flush(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.FLUSH_IN.unpack_from(body)
-        self.fs.absorb(req.nodeid)
         await self.fs.flush(fh)
         return b""
 
     async def release(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.RELEASE_IN.unpack_from(body)
+        direct: bool | None = None
         try:
-            self.passthrough.released(fh)
-        finally:
-            self.fs.release(fh)
+            direct = self.passthrough.released(fh)
+        finally:  # (the core's handle goes whatever happened to the backing id)
+            self.fs.release(fh, direct)
         return b""
 
     async def fsync(self, req: Request, body: memoryview) -> Reply:
         fh, flags, _ = p.FSYNC_IN.unpack_from(body)
-        self.fs.absorb(req.nodeid)
         await self.fs.fsync(fh, bool(flags & p.FSYNC_FDATASYNC))
         return b""
 

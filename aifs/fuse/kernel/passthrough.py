@@ -71,11 +71,12 @@ class Passthrough:
         except OSError as exc:
             log.warning("closing backing id %d: %s", backing, exc.strerror)
 
-    def released(self, fh: int) -> None:
+    def released(self, fh: int) -> bool | None:
+        """Handle ``fh`` is released: its backing id let go if it was direct.
+        Whether it was (for :meth:`Filesystem.release`); None where there is
+        no passthrough."""
         ino = self.handles.pop(fh, None)
         if ino is None:
-            if self.enabled:  # served by the daemon: its file may go direct next time
-                self.fs.direct_released(fh, direct=False)
-            return
-        self.fs.direct_released(fh)
+            return False if self.enabled else None
         self.closed(ino)
+        return True
