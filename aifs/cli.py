@@ -84,9 +84,13 @@ def _other_commands(sub: Any) -> None:
 
 
 def _mount(args: argparse.Namespace) -> int:
-    from aifs.config import default_lake_url, load_config
+    from aifs.config import REMOVED, default_lake_url, load_config
     from aifs.daemon import check_mountpoint, serve, setup_logging, wants_nonempty
 
+    for name, why in REMOVED.items():
+        if getattr(args, "removed_" + name, None) is not None:
+            print(f"aifs: --{name.replace('_', '-')} was removed ({why}); ignored",
+                  file=sys.stderr)
     if len(args.targets) > 2:
         raise ConfigError("expected [LAKE_URL] MOUNTPOINT")
     lake = args.targets[0] if len(args.targets) == 2 else None

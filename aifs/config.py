@@ -351,6 +351,10 @@ def load_config(config_file: str | None, overrides: dict[str, Any],
             if key not in fields:
                 raise ConfigError(f"{config_file}: unknown option {name!r}")
             setattr(cfg, key, _convert(fields[key], value, config_file))
+    for name, why in REMOVED.items():
+        if "AIFS_" + name.upper() in environ:
+            log.warning("AIFS_%s: option %s was removed (%s); ignored", name.upper(), name,
+                        why)
     for f in fields.values():
         var = "AIFS_" + f.name.upper()
         if f.metadata["env"] and var in environ:

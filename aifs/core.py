@@ -248,9 +248,11 @@ class Filesystem:
         taken along), or served by the daemon where it could have been (its
         file may get a local copy, to go direct next time); None: no
         passthrough here."""
-        if direct is not None:
-            self.direct_released(fh, direct)
-        self.open_files.release(fh)
+        try:
+            if direct is not None:
+                self.direct_released(fh, direct)
+        finally:  # the handle goes, whatever its direct writes' bookkeeping met
+            self.open_files.release(fh)
 
     # -- direct handles, past the daemon (posix.direct) --------------------------------
     async def direct_backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-from aifs.config import option_fields
+from aifs.config import REMOVED, option_fields
 
 #: options that only mean something to mount(8), fstab or systemd
 IGNORED = {"_netdev", "auto", "noauto", "nofail", "user", "nouser", "users", "owner",
@@ -100,6 +100,10 @@ def mount_command(argv: list[str], aifs: str = "aifs"
         flag = FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
         if name == "config":
             command += ["--config", value]
+            continue
+        if field in REMOVED:  # an fstab line written for an earlier release still mounts
+            print(f"mount.aifs: option {name} was removed ({REMOVED[field]}); ignored",
+                  file=sys.stderr)
             continue
         if name not in known:
             extra.append(option)  # a FUSE option

@@ -93,20 +93,25 @@ def _reserve(data_file: Path, size: int) -> None:
                     exc.strerror)
 
 
+#: an LMDB database handle (``Environment.open_db``); lmdb names its type only
+#: privately (``Database``), which aifs does not import
+Database = Any
+
+
 class Txn(Protocol):
     """What the primitives below use of a transaction: lmdb's own (opened
     without ``buffers``: values are bytes) or a
     :class:`aifs.meta.batches.Writing`, which materializes batches first."""
 
     def get(self, key: bytes, default: None = None,
-            db: lmdb._Database | None = None) -> bytes | None: ...
+            db: Database | None = None) -> bytes | None: ...
 
-    def put(self, key: bytes, value: bytes, *, db: lmdb._Database | None = None) -> bool: ...
+    def put(self, key: bytes, value: bytes, *, db: Database | None = None) -> bool: ...
 
     def delete(self, key: bytes, value: bytes = b"", *,
-               db: lmdb._Database | None = None) -> bool: ...
+               db: Database | None = None) -> bool: ...
 
-    def cursor(self, db: lmdb._Database | None = None) -> lmdb.Cursor[bytes]: ...
+    def cursor(self, db: Database | None = None) -> lmdb.Cursor[bytes]: ...
 
 
 class StoreBase:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from aifs.meta.base import StoreBase, Txn
+from aifs.meta.base import Database, StoreBase, Txn
 from aifs.meta.inode import FILE, ROOT_INO, Inode, Listed
 from aifs.meta.schema import (
     DB_BATCH,
@@ -161,26 +161,26 @@ class Writing:
         self._entry_dbs = store._entry_dbs()
 
     def get(self, key: bytes, default: None = None,
-            db: lmdb._Database | None = None) -> bytes | None:
+            db: Database | None = None) -> bytes | None:
         value = self.raw.get(key, db=db)
         if value is None and db in self._entry_dbs \
                 and self._store._materialize_for(self.raw, key, db):
             value = self.raw.get(key, db=db)
         return default if value is None else value
 
-    def put(self, key: bytes, value: bytes, db: lmdb._Database | None = None,
+    def put(self, key: bytes, value: bytes, db: Database | None = None,
             **options: bool) -> bool:
         if db in self._entry_dbs:
             self._store._materialize_for(self.raw, key, db)
         return self.raw.put(key, value, db=db, **options)
 
     def delete(self, key: bytes, value: bytes = b"",
-               db: lmdb._Database | None = None) -> bool:
+               db: Database | None = None) -> bool:
         if db in self._entry_dbs:
             self._store._materialize_for(self.raw, key, db)
         return self.raw.delete(key, value, db=db)
 
-    def cursor(self, db: lmdb._Database | None = None) -> lmdb.Cursor[bytes]:
+    def cursor(self, db: Database | None = None) -> lmdb.Cursor[bytes]:
         """(The cursors of write paths scan records that are never virtual:
         ``_children`` materializes its directory first.)"""
         return self.raw.cursor(db=db)
@@ -209,7 +209,7 @@ class BatchesMixin(StoreBase):
             self._drop_parsed()  # (a batch parsed inside it may not exist)
             raise
 
-    def _entry_dbs(self) -> tuple[lmdb._Database, ...]:
+    def _entry_dbs(self) -> tuple[Database, ...]:
         """The databases of :func:`entry_records`, in its order."""
         return self.inodes, self.dentries, self.cookies, self.objkeys
 
@@ -367,7 +367,7 @@ class BatchesMixin(StoreBase):
         return len(parents)
 
     def _materialize_for(self, txn: lmdb.Transaction[bytes], key: bytes,
-                         db: lmdb._Database | None) -> bool:
+                         db: Database | None) -> bool:
         """Materialize the batch that holds what ``key`` of entry database
         ``db`` names, if one does; whether one did."""
         if not self._batched_below:  # no batch was ever kept

@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import lmdb
-
-from aifs.meta.base import Txn
+from aifs.meta.base import Database, Txn
 from aifs.meta.batches import BATCH_MAX, BatchesMixin, Writing, batchable, entry_records
 from aifs.meta.inode import DIR, FILE, LINK, Inode, Listed
 from aifs.meta.schema import SYS_NEXT_COOKIE, SYS_NEXT_INO, U64, U64X2, key_bytes, u64
@@ -182,7 +180,7 @@ class _Counters:
     """The inode and cookie counters of one listing's transaction, read once
     and written once at its end (not a get and a put per entry listed)."""
 
-    def __init__(self, txn: Txn, db: lmdb._Database) -> None:
+    def __init__(self, txn: Txn, db: Database) -> None:
         self.txn, self.db = txn, db
         self.values: dict[bytes, int] = {}
 

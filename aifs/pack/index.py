@@ -25,6 +25,7 @@ import lmdb
 import xxhash
 
 from aifs.buffers import Body
+from aifs.meta.base import Database
 from aifs.meta.inode import Inode
 from aifs.meta.schema import (
     DB_JOURNAL,
@@ -547,7 +548,7 @@ class _PackInfos:
     """The pack records one transaction reads and changes, written once at its
     end: a journal changes the live bytes of one pack thousands of times."""
 
-    def __init__(self, txn: lmdb.Transaction[bytes], db: lmdb._Database) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes], db: Database) -> None:
         self.txn, self.db = txn, db
         self.infos: dict[str, dict[str, Any]] = {}
         self.live_changed: set[str] = set()

@@ -35,6 +35,7 @@ class Recovery:
         meta, local = self.meta, self.local
         self._recover_unclosed()
         unknown_kept = self._legacy_journal_left()
+        kept_all = True
         for ino in meta.purge_orphans():
             local.remove(ino)
         pending = {inode.ino: inode for inode in meta.pending_inodes()}
@@ -42,8 +43,8 @@ class Recovery:
             inode = pending.get(ino) or meta.get(ino)
             if inode is None:
                 if unknown_kept and size:
-                    self._keep(ino, str(ino), "was created by the C read loop of an "
-                               "earlier release and not applied")
+                    kept_all &= self._keep(ino, str(ino), "was created by the C read loop "
+                                           "of an earlier release and not applied")
                 else:
                     local.remove(ino)
             elif not (ino in pending and inode.pending & DATA) and size != inode.size:
@@ -58,6 +59,8 @@ class Recovery:
                     meta.update(ino, size=size, mtime_ns=st.st_mtime_ns)
             else:
                 local.mark_clean(ino)
+        if kept_all and self.legacy_journal.exists():
+            self.legacy_journal.unlink()  # every copy it may name is kept
         for ino, inode in pending.items():
             if inode.pending & DATA and inode.kind == FILE and not inode.size \
                     and not local.has(ino):
@@ -70,25 +73,32 @@ class Recovery:
     def _legacy_journal_left(self) -> bool:
         """Whether an earlier release's C loop left a journal this release
         cannot apply: its files' copies are then kept in the recovery directory
-        instead of being dropped as unknown (the journal is removed after)."""
+        instead of being dropped as unknown (the journal is removed once all
+        are kept: until then the next mount keeps them too)."""
         try:
             size = self.legacy_journal.stat().st_size
         except FileNotFoundError:
             return False
-        self.legacy_journal.unlink()
         if size:
             log.warning("%s holds creates an earlier release did not apply: files the "
                         "metadata does not know are kept in %s", self.legacy_journal,
                         self.recovered_dir)
         return bool(size)
 
-    def _keep(self, ino: int, name: str, why: str) -> None:
-        """The copy of ``ino`` moved to the recovery directory as ``name``."""
+    def _keep(self, ino: int, name: str, why: str) -> bool:
+        """The copy of ``ino`` moved to the recovery directory as ``name``;
+        False if it could not be (it stays where it is, for the next mount)."""
         target = self.recovered_dir / self.stamp / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(self.local.path(ino), target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.local.path(ino), target)
+        except OSError as exc:
+            log.error("inode %d %s, and cannot be moved to %s: %s", ino, why, target, exc)
+            return False
+        self.local.remove(ino)  # (gone from the cache's books; the file moved)
         self.recovered_files += 1
         log.warning("inode %d %s: its bytes are in %s", ino, why, target)
+        return True
 
     def _recover_unclosed(self) -> None:
         if self.recovered_dir.is_dir():  # counted once here, not per status request

@@ -41,6 +41,35 @@ def test_unknown_or_bad_options(tmp_path):
         load_config(None, {"retries": 0}, environ={})
 
 
+def test_removed_options_are_ignored_with_a_warning(tmp_path, caplog, capsys):
+    """A config file, environment, command line or fstab line written for an
+    earlier release (fuse_native, fuse_transport) still mounts: each removed
+    option is named in a warning and ignored, not refused."""
+    from aifs.mount_helper import mount_command
+    from aifs.mount_options import mount_arguments, mount_options
+
+    toml = tmp_path / "old.toml"
+    toml.write_text('fuse_native = false\nfuse-transport = "uring"\nmetadata_ttl = 9\n')
+    cfg = load_config(str(toml), {}, environ={"AIFS_FUSE_NATIVE": "false"})
+    assert cfg.metadata_ttl == 9
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("was removed" in m for m in warned) == 3, warned
+
+    import argparse
+    parser = argparse.ArgumentParser()
+    mount_arguments(parser)
+    args = parser.parse_args(["/mnt/x", "--fuse-native", "false", "--fuse-transport", "dev"])
+    assert (args.removed_fuse_native, args.removed_fuse_transport) == ("false", "dev")
+    assert not any("--fuse-native" in strings for strings in mount_options())  # undocumented
+
+    command, env, _ = mount_command(["/var/lib/lake", "/mnt/x", "-o",
+                                     "fuse_native=false,fuse_transport,metadata_ttl=3"])
+    assert not any("fuse_native" in part or "fuse_transport" in part
+                   for part in [*command, *env]), (command, env)
+    assert "--metadata-ttl" in command
+    assert capsys.readouterr().err.count("was removed") == 2
+
+
 def test_readme_lists_every_option():
     text = README.read_text()
     table = text.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]

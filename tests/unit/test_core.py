@@ -211,6 +211,25 @@ def test_files_an_earlier_c_loop_created_are_kept_at_mount(tmp_path, journal):
         assert [p.read_bytes() for p in kept] == [b"closed under the C loop"]
         assert not (tmp_path / "cache" / "native-journal").exists()
     assert not fs.local.path(unknown).exists()
+    assert not fs.local.has(unknown) and fs.local.used == 0
+    fs.meta.env.close()
+
+
+def test_a_copy_an_earlier_c_loop_created_that_cannot_be_kept_stays(tmp_path):
+    """Where the recovery directory cannot be made, the copy stays where it
+    is and so does the journal: the next mount keeps it, nothing is dropped."""
+    config = Config(lake=f"file://{tmp_path}/lake", cache_size=64 * MiB)
+    (tmp_path / "lake").mkdir()
+    (tmp_path / "cache" / "files").mkdir(parents=True)
+    (tmp_path / "cache" / "files" / "1000001").write_bytes(b"closed under the C loop")
+    (tmp_path / "cache" / "native-journal").write_bytes(b"records")
+    (tmp_path / "cache" / "recovered").write_bytes(b"")  # a file: no directory here
+    fs = Filesystem(config, LocalStore(str(tmp_path / "lake")), MetaStore(tmp_path / "meta"),
+                    BlockCache(tmp_path / "cache", config.cache_size),
+                    LocalFiles(tmp_path / "cache"))
+    fs.recover()
+    assert fs.local.path(1_000_001).read_bytes() == b"closed under the C loop"
+    assert (tmp_path / "cache" / "native-journal").exists()
     fs.meta.env.close()
 
 

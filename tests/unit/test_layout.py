@@ -117,13 +117,22 @@ def test_the_facade_holds_no_logic():
 
 def _all_imports(path: Path) -> list[tuple[str, str]]:
     """(module, name) of every import in ``path``, those under ``if
-    TYPE_CHECKING:`` included; ``name`` is "" for ``import module``."""
+    TYPE_CHECKING:`` included, relative ones made absolute; ``name`` is ""
+    for ``import module``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = parts[:-1]  # (of __init__.py as of any module: its own package)
     found: list[tuple[str, str]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(alias.name, "") for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:
+                if module == "aifs" or (node.level and not node.module):
+                    found.append((f"{module}.{alias.name}", ""))  # from aifs import posix
+                else:
+                    found.append((module, alias.name))
     return found
 
 
@@ -134,17 +143,33 @@ def _package_of(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "aifs" else parts[0]
 
 
+#: names with a leading underscore that their library documents as public
+DOCUMENTED = {"os._exit"}
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
 def private_imports() -> list[str]:
     """Imports of a private name (``_name``, or a module path through one)
-    from another package, anywhere in aifs/."""
+    from another package, anywhere in aifs/, and uses of one through an
+    imported library module (``lmdb._Database``, ``argparse._SubParsersAction``)."""
     offenders = []
     for name, path in _modules().items():
+        libraries: set[str] = set()  # names bound to imported modules of other packages
         for module, imported in _all_imports(path):
             if _package_of(module) == _package_of(name):
                 continue  # a package's own private parts are its own
-            if any(part.startswith("_") and not part.startswith("__")
-                   for part in [*module.split("."), imported]):
+            if any(_private(part) for part in [*module.split("."), imported]):
                 offenders.append(f"{name}: {module} {imported}".strip())
+            if not imported:
+                libraries.add(module.split(".")[0])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and _private(node.attr) \
+                    and isinstance(node.value, ast.Name) and node.value.id in libraries \
+                    and f"{node.value.id}.{node.attr}" not in DOCUMENTED:
+                offenders.append(f"{name}: {node.value.id}.{node.attr}")
     return offenders
 
 
@@ -161,6 +186,8 @@ def test_the_private_import_check_finds_one(tmp_path, monkeypatch):
         "    from trio._core._run import GLOBAL_RUN_CONTEXT\n")
     monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "aifs")
     assert private_imports() == ["aifs.x: trio._core._run GLOBAL_RUN_CONTEXT"]
+    (tmp_path / "aifs" / "x.py").write_text("import lmdb\nDB = lmdb._Database\n")
+    assert private_imports() == ["aifs.x: lmdb._Database"]
 
 
 def test_no_c_source_in_the_package():
@@ -175,12 +202,24 @@ def test_the_bindings_call_only_the_facade():
     """aifs/fuse/ imports from aifs only the facade (``core``), ``config``,
     ``errors`` and its own modules, under TYPE_CHECKING too: never
     ``aifs.posix`` or anything else below the facade."""
+    assert below_the_facade() == []
+
+
+def below_the_facade() -> list[str]:
     allowed = {"aifs.core", "aifs.config", "aifs.errors", "aifs.fuse"}
-    offenders = [f"{name}: {module}" for name, path in _modules().items()
-                 if name.startswith("aifs.fuse")
-                 for module, _ in _all_imports(path)
-                 if module.startswith("aifs") and _package_of(module) not in allowed]
-    assert offenders == []
+    return [f"{name}: {module}" for name, path in _modules().items()
+            if name.startswith("aifs.fuse")
+            for module, _ in _all_imports(path)
+            if module.split(".")[0] == "aifs" and _package_of(module) not in allowed]
+
+
+def test_the_facade_check_finds_a_binding_reaching_below(tmp_path, monkeypatch):
+    (tmp_path / "aifs" / "fuse").mkdir(parents=True)
+    (tmp_path / "aifs" / "fuse" / "x.py").write_text(
+        "from aifs import errors\nfrom aifs.core import Filesystem\n"
+        "from ..posix import files\nfrom aifs import meta\n")
+    monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "aifs")
+    assert below_the_facade() == ["aifs.fuse.x: aifs.posix", "aifs.fuse.x: aifs.meta"]
 
 
 def _imported(path: Path) -> set[str]:

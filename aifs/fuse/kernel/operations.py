@@ -219,8 +219,7 @@ class Operations:
     async def write(self, req: Request, body: memoryview) -> Reply:
         fh, offset, size, *_ = p.WRITE_IN.unpack_from(body)
         data = body[p.WRITE_IN.size:p.WRITE_IN.size + size]
-        # (a view of the request, written as it is: Filesystem.write, in core.py,
-        # says bytes where Writes.write takes bytes | memoryview)
+        # (a view of the request, written as it is)
         written = await self.fs.write(fh, offset, data)
         return p.WRITE_OUT.pack(written, 0)
 
@@ -231,11 +230,10 @@ class Operations:
 
     async def release(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.RELEASE_IN.unpack_from(body)
-        direct: bool | None = None
-        try:
-            direct = self.passthrough.released(fh)
-        finally:  # (the core's handle goes whatever happened to the backing id)
-            self.fs.release(fh, direct)
+        try:  # the core first (a direct writer's writes taken), then the backing id
+            self.fs.release(fh, self.passthrough.direct(fh))
+        finally:
+            self.passthrough.released(fh)
         return b""
 
     async def fsync(self, req: Request, body: memoryview) -> Reply:

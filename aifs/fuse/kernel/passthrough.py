@@ -71,12 +71,15 @@ class Passthrough:
         except OSError as exc:
             log.warning("closing backing id %d: %s", backing, exc.strerror)
 
-    def released(self, fh: int) -> bool | None:
-        """Handle ``fh`` is released: its backing id let go if it was direct.
-        Whether it was (for :meth:`Filesystem.release`); None where there is
-        no passthrough."""
+    def direct(self, fh: int) -> bool | None:
+        """Whether handle ``fh`` is direct (for :meth:`Filesystem.release`);
+        None where there is no passthrough."""
+        if fh in self.handles:
+            return True
+        return False if self.enabled else None
+
+    def released(self, fh: int) -> None:
+        """Handle ``fh`` is released: its backing id let go if it was direct."""
         ino = self.handles.pop(fh, None)
-        if ino is None:
-            return False if self.enabled else None
-        self.closed(ino)
-        return True
+        if ino is not None:
+            self.closed(ino)
