@@ -30,9 +30,6 @@ from aifs.figures import Figures
 
 log = logging.getLogger(__name__)
 
-TIERS = ("memory", "blocks", "files")
-
-
 class Metrics:
     """What ``aifs status`` and the endpoint show: the figures ``figures``
     returns (called once per snapshot), with the facts of this process."""

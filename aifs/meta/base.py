@@ -94,7 +94,7 @@ def _reserve(data_file: Path, size: int) -> None:
 
 
 #: an LMDB database handle (``Environment.open_db``); lmdb names its type only
-#: privately (``Database``), which aifs does not import
+#: privately (``_Database``), which aifs does not import
 Database = Any
 
 

@@ -176,7 +176,7 @@ class Direct:
     def absorb_handle(self, fh: int) -> None:
         """:meth:`absorb` for the file of handle ``fh`` (flush, fsync)."""
         handle = self.inodes.files.get(fh)
-        if handle is not None and handle.ino in self.writers:
+        if handle is not None:
             self.absorb(handle.ino)
 
     def absorbed(self, inode: Inode) -> Inode:

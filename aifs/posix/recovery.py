@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from aifs.cache.files import LocalFiles
 from aifs.meta.store import DATA, FILE, MetaStore
@@ -25,6 +26,7 @@ class Recovery:
         self.local = local
         self.recovered_dir = local.root.parent / "recovered"
         self.recovered_files = 0  # files in it (counted at mount, kept since)
+        self.stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # this mount's subfolder
         #: the journal of the C read loop an earlier release had (creates it
         #: answered, applied to the metadata at the next mount): where one is
         #: left, copies the metadata does not know may be files it created
@@ -43,8 +45,7 @@ class Recovery:
             inode = pending.get(ino) or meta.get(ino)
             if inode is None:
                 if unknown_kept and size:
-                    kept_all &= self._keep(ino, str(ino), "was created by the C read loop "
-                                           "of an earlier release and not applied")
+                    kept_all &= self._keep_unknown(ino)
                 else:
                     local.remove(ino)
             elif not (ino in pending and inode.pending & DATA) and size != inode.size:
@@ -85,40 +86,44 @@ class Recovery:
                         self.recovered_dir)
         return bool(size)
 
-    def _keep(self, ino: int, name: str, why: str) -> bool:
-        """The copy of ``ino`` moved to the recovery directory as ``name``;
-        False if it could not be (it stays where it is, for the next mount)."""
-        target = self.recovered_dir / self.stamp / name
+    def _keep(self, ino: int, names: list[str]) -> Path:
+        """The copy of ``ino`` moved into the recovery directory under the
+        first of ``names`` it can hold; the last OSError if none (the copy
+        is then where it was: nothing is dropped unsaved)."""
+        for name in names:
+            target = self.recovered_dir / self.stamp / name
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(self.local.path(ino), target)
+                break
+            except OSError:
+                if name == names[-1]:
+                    raise
+        self.recovered_files += 1
+        return target
+
+    def _keep_unknown(self, ino: int) -> bool:
+        """A copy an earlier release's C loop may have created, kept; False
+        if it could not be moved (it stays, for the next mount)."""
+        why = "was created by the C read loop of an earlier release and not applied"
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(self.local.path(ino), target)
+            target = self._keep(ino, [str(ino)])
         except OSError as exc:
-            log.error("inode %d %s, and cannot be moved to %s: %s", ino, why, target, exc)
+            log.error("inode %d %s, and cannot be kept in %s: %s", ino, why,
+                      self.recovered_dir, exc)
             return False
         self.local.remove(ino)  # (gone from the cache's books; the file moved)
-        self.recovered_files += 1
         log.warning("inode %d %s: its bytes are in %s", ino, why, target)
         return True
 
     def _recover_unclosed(self) -> None:
         if self.recovered_dir.is_dir():  # counted once here, not per status request
             self.recovered_files = sum(len(f) for _, _, f in os.walk(self.recovered_dir))
-        self.stamp = stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for ino in self.meta.unclosed():
             inode = self.meta.get(ino)
             if inode is not None and self.local.has(ino) and not inode.orphan:
                 # under its key; by inode number where no path here can hold the key
-                names = list(dict.fromkeys((inode.key or str(ino), str(ino))))
-                for name in names:
-                    target = self.recovered_dir / stamp / name
-                    try:
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        os.rename(self.local.path(ino), target)
-                        break
-                    except OSError:
-                        if name == names[-1]:
-                            raise  # kept where it is: nothing is dropped unsaved
-                self.recovered_files += 1
+                target = self._keep(ino, list(dict.fromkeys((inode.key or str(ino), str(ino)))))
                 log.warning("%s was open for writing when the node went down: not "
                             "published; the bytes written are in %s", inode.key, target)
             self.local.remove(ino)

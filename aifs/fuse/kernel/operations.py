@@ -220,8 +220,7 @@ class Operations:
         fh, offset, size, *_ = p.WRITE_IN.unpack_from(body)
         data = body[p.WRITE_IN.size:p.WRITE_IN.size + size]
         # (a view of the request, written as it is)
-        written = await self.fs.write(fh, offset, data)
-        return p.WRITE_OUT.pack(written, 0)
+        return p.WRITE_OUT.pack(await self.fs.write(fh, offset, data), 0)
 
     async def flush(self, req: Request, body: memoryview) -> Reply:
         (fh, *_) = p.FLUSH_IN.unpack_from(body)
