@@ -42,14 +42,16 @@ class LakeUnavailable(LakeError):
     """Endpoint unreachable, timed out, throttled or answering 5xx.
 
     ``cause`` names the kind of failure for the retry metrics: one of
-    :data:`CAUSES`.
+    :data:`CAUSES`. ``unreached``: no connection could be made at all (refused,
+    no such host): at mount, a mistake in the endpoint more likely than a fault.
     """
 
     transient = True
 
-    def __init__(self, message: str, cause: str = "error") -> None:
+    def __init__(self, message: str, cause: str = "error", unreached: bool = False) -> None:
         super().__init__(message)
         self.cause = cause
+        self.unreached = unreached
 
 
 #: why a lake request is tried again (the label of ``aifs_lake_retries_total``)

@@ -53,20 +53,34 @@ class RetryPolicy:
         """Full jitter: uniform in [0, min(max, base * 2**attempt)]."""
         return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** attempt)))
 
-    async def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        for attempt in range(self.attempts):
+    async def call(self, what: str, fn: Callable[[], Awaitable[T]],
+                   budget: float | None = None) -> T:
+        """``fn`` until it succeeds, fails for good, or ``attempts`` are spent;
+        with ``budget``: as many attempts as fit in that many seconds, except
+        for an endpoint never reached (``LakeUnavailable.unreached``)."""
+        deadline = trio.current_time() + budget if budget is not None else None
+        attempt = 0
+        while True:
             try:
                 return await fn()
             except LakeError as exc:
-                if not exc.transient or attempt + 1 >= self.attempts:
+                attempt += 1
+                pause = self.delay(attempt - 1)
+                timed = deadline is not None and not getattr(exc, "unreached", False)
+                spent = trio.current_time() + pause > deadline if deadline is not None and timed \
+                    else attempt >= self.attempts
+                if not exc.transient or spent:
                     raise
-                pause = self.delay(attempt)
                 self.causes[getattr(exc, "cause", "error")] += 1
-                log.warning("%s failed (%s); retry %d/%d in %.2fs",
-                            what, exc, attempt + 1, self.attempts - 1, pause)
+                step = f"{attempt}/{self.attempts - 1}" if deadline is None or not timed \
+                    else f"{attempt}, {deadline - trio.current_time():.0f} s left"
+                log.warning("%s failed (%s); retry %s in %.2fs", what, exc, step, pause)
                 await trio.sleep(pause)
-        raise AssertionError("unreachable")
 
+
+#: seconds a mount keeps checking a lake that fails transiently (resets, cut
+#: bodies, 5xx) before it gives up: what any later lake call rides out too
+CHECK_BUDGET = 30.0
 
 #: the pause before a failed promotion or pack is tried again (the same
 #: jittered backoff, in whole seconds: the data waits safely in the cache)
@@ -84,7 +98,7 @@ class RetryingStore(ObjectStore):
         self.keys_nest = inner.keys_nest
 
     async def check(self) -> None:
-        await self.policy.call("check the lake", self.inner.check)
+        await self.policy.call("check the lake", self.inner.check, budget=CHECK_BUDGET)
 
     async def head(self, key: str) -> ObjectInfo:
         return await self.policy.call(f"HEAD {key}", lambda: self.inner.head(key))

@@ -103,7 +103,8 @@ class S3Store(ObjectStore):
                 else "truncated" if isinstance(exc, botocore.exceptions.ResponseStreamingError) \
                 else "connection"
             return LakeUnavailable(f"cannot reach {self.client.meta.endpoint_url}: "
-                                   f"{type(exc).__name__}", cause)
+                                   f"{type(exc).__name__}", cause, unreached=isinstance(
+                                       exc, botocore.exceptions.EndpointConnectionError))
         if isinstance(exc, botocore.exceptions.IncompleteReadError):
             return LakeUnavailable(f"{what}: body cut short ({exc})", "truncated")
         if isinstance(exc, botocore.exceptions.BotoCoreError):

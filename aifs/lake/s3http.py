@@ -149,7 +149,8 @@ class SignedHTTP:
 
     def _unavailable(self, exc: Broken, what: str) -> LakeUnavailable:
         if exc.connecting:
-            return LakeUnavailable(f"cannot reach {self.endpoint}: {exc}", exc.cause)
+            return LakeUnavailable(f"cannot reach {self.endpoint}: {exc}", exc.cause,
+                                   unreached=True)
         return LakeUnavailable(f"{what}: connection to {self.endpoint} broken: {exc}",
                                exc.cause)
 
