@@ -196,7 +196,7 @@ class Uploads:
                     entry, stamp=time.time_ns(), mode=int(metadata["mode"]),
                     uid=int(metadata["uid"]),
                     gid=int(metadata["gid"]), mtime_ns=inode.mtime_ns,
-                    xattrs=inode.xattrs or None)
+                    atime_ns=inode.atime_ns, xattrs=inode.xattrs or None)
                 self.packer.queue_records([changed.record()])
                 return ObjectInfo(inode.key, inode.size, changed.etag, 0.0)
             # A packed copy (aifs pack) of a plain object: the object takes the change.

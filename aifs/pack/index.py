@@ -89,13 +89,14 @@ class PackedEntry:
     mtime_ns: int = 0
     xattrs: dict[str, str] | None = None
     origin: str = ""  # ETag of the plain object this is a packed copy of (aifs pack)
+    atime_ns: int = 0  # set explicitly (0: as mtime)
 
     @classmethod
     def from_record(cls, record: Record) -> PackedEntry:
         return cls(record["key"], record["pack"], record["off"], record["len"],
                    record["xxh3"], record["t"], record.get("mode", 0), record.get("uid", -1),
                    record.get("gid", -1), record.get("mtime", 0), record.get("xattrs"),
-                   record.get("origin", ""))
+                   record.get("origin", ""), record.get("atime", 0))
 
     def record(self) -> Record:
         out: Record = {"op": "put", "key": self.key, "pack": self.pack, "off": self.offset,
@@ -106,6 +107,8 @@ class PackedEntry:
             out["xattrs"] = self.xattrs
         if self.origin:
             out["origin"] = self.origin
+        if self.atime_ns:
+            out["atime"] = self.atime_ns
         return out
 
     def permissions(self) -> int:

@@ -311,7 +311,7 @@ class Packer:
                 inode.key, pack, len(data), len(content), checksum(content), stamp,
                 st_mode(inode), self.uid if inode.uid < 0 else inode.uid,
                 self.gid if inode.gid < 0 else inode.gid,
-                inode.mtime_ns, inode.xattrs or None))
+                inode.mtime_ns, inode.xattrs or None, atime_ns=inode.atime_ns))
             data += content
         return data, entries
 
@@ -337,5 +337,6 @@ def entry_fields(entry: PackedEntry) -> dict[str, object]:
                                  "checksum": entry.xxh3, "mtime_ns": entry.mtime_ns}
     if not entry.origin:  # aifs pack copies: attributes from the original's metadata
         fields.update(mode=entry.permissions(), uid=entry.uid, gid=entry.gid,
-                      xattrs=dict(entry.xattrs or {}), attrs_known=True)
+                      xattrs=dict(entry.xattrs or {}), atime_ns=entry.atime_ns,
+                      attrs_known=True)
     return fields

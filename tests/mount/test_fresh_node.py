@@ -34,14 +34,16 @@ def entries(root: Path) -> Iterator[tuple[str, str, os.stat_result]]:
 
 def attributes(root: Path) -> dict[str, tuple]:
     """Every entry below ``root``: type and permission bits, owner, size, mtime,
-    symlink target, user xattrs."""
+    a file's atime, symlink target, user xattrs."""
     out = {}
     for rel, path, st in entries(root):
         target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
         xattrs = {} if target is not None else {
             x: os.getxattr(path, x) for x in os.listxattr(path)}
         size = st.st_size if stat.S_ISREG(st.st_mode) else None
-        out[rel] = (st.st_mode, st.st_uid, st.st_gid, size, st.st_mtime_ns, target, xattrs)
+        atime = st.st_atime_ns if stat.S_ISREG(st.st_mode) else None
+        out[rel] = (st.st_mode, st.st_uid, st.st_gid, size, st.st_mtime_ns, atime, target,
+                    xattrs)
     return out
 
 
@@ -68,6 +70,11 @@ def test_a_fresh_node_knows_what_aifs_wrote_without_a_head_per_object(lake, moun
     os.symlink("d0/f01.bin", a.path / "t" / "link")
     for d in range(dirs):  # (times a directory gets from its entries are this node's)
         os.utime(a.path / "t" / f"d{d}", ns=(1_500_000_000_000_000_000 + d,) * 2)
+    result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert result.returncode == 0, result.stderr
+    for i in (0, 1, 2):  # atime set on files in the lake (packed: f00, f02; plain: f01)
+        path = a.path / "t" / "d0" / f"f{i:02d}.bin"
+        os.utime(path, ns=(1_234_567_890_000_000_000 + i, os.stat(path).st_mtime_ns))
     before = attributes(a.path / "t")
     result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
     assert result.returncode == 0, result.stderr
