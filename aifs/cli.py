@@ -85,7 +85,12 @@ def _other_commands(sub: Any) -> None:
 
 def _mount(args: argparse.Namespace) -> int:
     from aifs.config import REMOVED, default_lake_url, load_config
-    from aifs.daemon import check_mountpoint, serve, setup_logging, wants_nonempty
+    from aifs.daemon import PRIVATE_UMASK, check_mountpoint, serve, setup_logging, wants_nonempty
+
+    # Everything the mount creates (the local lake's objects and directories,
+    # the cache, its LMDB store, the log) is the daemon user's alone, whatever
+    # the caller's umask: no byte is readable outside the mount past its mode.
+    os.umask(PRIVATE_UMASK)
 
     for name, why in REMOVED.items():
         if getattr(args, "removed_" + name, None) is not None:

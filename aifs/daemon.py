@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
 
 import trio
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from aifs.fuse.binding import Binding
 
 log = logging.getLogger(__name__)
+
+#: the mount's umask: what it creates is 0700 (directories) or 0600 (files)
+PRIVATE_UMASK = 0o077
 
 
 class JsonFormatter(logging.Formatter):
@@ -260,6 +264,7 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
             os.write(ready_fd, message.encode() + b"\n")
             os.close(ready_fd)
 
+    os.umask(PRIVATE_UMASK)  # (set by `aifs mount` already; any other caller too)
     # The trio thread answers FUSE requests while lake threads stream bodies;
     # a short GIL switch interval keeps request latency low under that load.
     sys.setswitchinterval(0.0005)
@@ -269,6 +274,10 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
     try:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)
+        warn_if_open(cache_dir, "cache directory")
+        lake = config.resolved_lake()
+        if lake.startswith("file://"):
+            warn_if_open(Path(unquote(urlparse(lake).path)), "lake directory")
         from aifs.lake import open_store
         store = open_store(config)
         return trio.run(_serve, config, store, cache_dir, report, lock)
@@ -278,6 +287,19 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
         log.error("%s", exc)
         report(f"ERR {exc}")
         return 1
+
+
+def warn_if_open(directory: Path, what: str) -> None:
+    """One line where a directory aifs keeps file data or names in (created
+    before, by someone else) lets other users in."""
+    try:
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("%s %s is open to other users (mode %04o): they can read there what "
+                    "the mount's permissions keep from them; chmod 700 it", what, directory,
+                    mode)
 
 
 async def _serve(config: Config, store: ObjectStore, cache_dir: Path,
