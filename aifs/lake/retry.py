@@ -90,15 +90,17 @@ PROMOTION_BACKOFF = RetryPolicy(base_delay=1.0, max_delay=60.0)
 class RetryingStore(ObjectStore):
     """``inner`` with every call retried under one :class:`RetryPolicy`."""
 
-    def __init__(self, inner: ObjectStore, policy: RetryPolicy | None = None) -> None:
+    def __init__(self, inner: ObjectStore, policy: RetryPolicy | None = None,
+                 check_budget: float = CHECK_BUDGET) -> None:
         self.inner = inner
         self.policy = policy or RetryPolicy()
+        self.check_budget = check_budget
         self.description = inner.description
         self.max_key_bytes = inner.max_key_bytes
         self.keys_nest = inner.keys_nest
 
     async def check(self) -> None:
-        await self.policy.call("check the lake", self.inner.check, budget=CHECK_BUDGET)
+        await self.policy.call("check the lake", self.inner.check, budget=self.check_budget)
 
     async def head(self, key: str) -> ObjectInfo:
         return await self.policy.call(f"HEAD {key}", lambda: self.inner.head(key))

@@ -93,18 +93,23 @@ class S3Store(ObjectStore):
         if isinstance(exc, botocore.exceptions.NoCredentialsError):
             return AccessDenied("no AWS credentials found (set AWS_ACCESS_KEY_ID/"
                                 "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")
+        endpoint = self.client.meta.endpoint_url
         if isinstance(exc, (botocore.exceptions.EndpointConnectionError,
-                            botocore.exceptions.ConnectTimeoutError,
-                            botocore.exceptions.ReadTimeoutError,
-                            botocore.exceptions.ConnectionClosedError,
-                            botocore.exceptions.ResponseStreamingError)):
-            cause = "timeout" if isinstance(exc, (botocore.exceptions.ConnectTimeoutError,
-                                                  botocore.exceptions.ReadTimeoutError)) \
-                else "truncated" if isinstance(exc, botocore.exceptions.ResponseStreamingError) \
-                else "connection"
-            return LakeUnavailable(f"cannot reach {self.client.meta.endpoint_url}: "
-                                   f"{type(exc).__name__}", cause, unreached=isinstance(
+                            botocore.exceptions.ConnectTimeoutError)):
+            return LakeUnavailable(f"cannot reach {endpoint}: {type(exc).__name__}",
+                                   "timeout" if isinstance(
+                                       exc, botocore.exceptions.ConnectTimeoutError)
+                                   else "connection", unreached=isinstance(
                                        exc, botocore.exceptions.EndpointConnectionError))
+        if isinstance(exc, botocore.exceptions.ReadTimeoutError):
+            return LakeUnavailable(f"{what}: no answer from {endpoint} in time", "timeout")
+        if isinstance(exc, botocore.exceptions.ConnectionClosedError):
+            return LakeUnavailable(f"{what}: connection to {endpoint} reset before a whole "
+                                   "answer came (the request may or may not have been done)",
+                                   "connection")
+        if isinstance(exc, botocore.exceptions.ResponseStreamingError):
+            return LakeUnavailable(f"{what}: the answer from {endpoint} was cut short "
+                                   f"({exc})", "truncated")
         if isinstance(exc, botocore.exceptions.IncompleteReadError):
             return LakeUnavailable(f"{what}: body cut short ({exc})", "truncated")
         if isinstance(exc, botocore.exceptions.BotoCoreError):
@@ -140,9 +145,9 @@ class S3Store(ObjectStore):
                                  f"{self.client.meta.endpoint_url}") from None
         # HEAD bucket answers 403 for a wrong key on some servers but 404 on
         # others; a one-key listing proves that we may read.
-        await self._call(f"list s3://{self.bucket}/{self.prefix}",
-                         lambda: self.client.list_objects_v2(
-                             Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1))
+        # (as every LIST: through s3http where it applies, which tells a cut
+        # body from a connection reset)
+        await self.list_page("", None, None, 1)
 
     async def head(self, key: str) -> ObjectInfo:
         if self.http is not None:
@@ -253,18 +258,18 @@ class S3Store(ObjectStore):
 
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
+        what = f"LIST s3://{self.bucket}/{self._k(prefix)}"
         if self.http is not None:
             http = self.http
-            return await self._call(f"LIST {prefix}", lambda: http.list_page(
-                self._k(prefix), len(self.prefix), delimiter, token, max_keys,
-                f"LIST {prefix}"))
+            return await self._call(what, lambda: http.list_page(
+                self._k(prefix), len(self.prefix), delimiter, token, max_keys, what))
         args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix),
                                 "MaxKeys": max_keys}
         if delimiter:
             args["Delimiter"] = delimiter
         if token:
             args["ContinuationToken"] = token
-        resp = await self._call(f"LIST {prefix}", lambda: self.client.list_objects_v2(**args))
+        resp = await self._call(what, lambda: self.client.list_objects_v2(**args))
         cut = len(self.prefix)
         objects = [ObjectInfo(o["Key"][cut:], o["Size"], o["ETag"],
                               o["LastModified"].timestamp())

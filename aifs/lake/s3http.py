@@ -151,6 +151,9 @@ class SignedHTTP:
         if exc.connecting:
             return LakeUnavailable(f"cannot reach {self.endpoint}: {exc}", exc.cause,
                                    unreached=True)
+        if exc.cause == "truncated":
+            return LakeUnavailable(f"{what}: the answer from {self.endpoint} was cut short "
+                                   f"({exc})", "truncated")
         return LakeUnavailable(f"{what}: connection to {self.endpoint} broken: {exc}",
                                exc.cause)
 

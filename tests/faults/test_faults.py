@@ -17,6 +17,7 @@ import pytest
 from support.faultproxy import KINDS, FaultProxy
 from support.lakes import Lake, lake_tree, lake_uploads
 
+from aifs.errors import LakeUnavailable
 from aifs.lake.retry import RetryingStore, RetryPolicy
 from aifs.lake.s3 import S3Store
 
@@ -163,3 +164,58 @@ def test_a_mount_under_faults_loses_nothing_and_leaves_no_uploads(proxied, mount
     assert sum(proxy.faults.values()) >= 5, proxy.faults  # the faults did happen
     print(f"seed {proxy.seed}: {dict(proxy.faults)} in {proxy.exchanges} exchanges")
 
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("before", ("reset", "closed", "broken", "aborted")),
+    ("after", ("reset", "closed", "broken", "aborted")),
+    ("cut_body", ("cut short", "truncated"))])
+@pytest.mark.parametrize("proxied", [pytest.param(("moto", 5, KINDS), id="moto")],
+                         indirect=True)
+async def test_the_mount_time_check_names_the_fault_it_gave_up_on(proxied, kind, words,
+                                                                  monkeypatch):
+    """A lake whose every answer meets one kind of fault: the mount-time check
+    gives up with one line naming that fault, not another (issue 50: a cut
+    LIST body was reported as 'Internal Server Error')."""
+    lake, proxy = proxied
+    for name, value in lake.env.items():
+        monkeypatch.setenv(name, value)
+    proxy.rate, proxy.kinds = 1.0, (kind,)
+    store = RetryingStore(S3Store(lake.bucket, "data", endpoint_url=proxy.endpoint, timeout=5),
+                          RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.01),
+                          check_budget=0.3)
+    try:
+        with pytest.raises(LakeUnavailable) as failed:
+            await store.check()
+    finally:
+        await store.aclose()
+    said = str(failed.value)
+    assert "\n" not in said
+    assert any(word in said.lower() for word in words), said
+    assert "Internal Server Error" not in said, said
+
+
+@pytest.mark.parametrize("proxied", [pytest.param(("moto", 0, ("cut_body",)), id="moto")],
+                         indirect=True)
+def test_a_mount_through_cut_get_bodies_comes_up_every_time(proxied, tmp_path):
+    """Issue 50: a second node mounting a lake while 30 % of GET bodies are cut
+    short (the mount's lake check among them) mounts, 50 times of 50, seeded;
+    ten at a time (separate caches, as separate nodes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.mounts import Mount
+    lake, proxy = proxied
+    lake.put("seen", b"x")
+    proxy.rate = 0.3
+
+    def one(seed: int) -> list[str]:
+        mount = Mount(lake, tmp_path / f"m{seed}", tmp_path / f"c{seed}",
+                      tmp_path / f"m{seed}.log", [])
+        try:
+            return os.listdir(mount.path)
+        finally:
+            mount.unmount()
+    with ThreadPoolExecutor(10) as pool:
+        listed = list(pool.map(one, range(50)))
+    assert listed == [["seen"]] * 50
+    assert proxy.faults["cut_body"] >= 10  # the faults did come

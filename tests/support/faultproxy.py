@@ -11,6 +11,9 @@ fault, drawn with probability ``rate``:
   CreateMultipartUpload, a CompleteMultipartUpload, a DELETE);
 - ``truncate``: the reply is cut short (headers and part of the body arrive,
   then a reset): a truncated GET body.
+- ``cut_body`` (not among the default kinds): a GET's reply is cut inside its
+  body, always (at a seeded point after its headers, before its
+  ``Content-Length`` is reached); other replies pass whole.
 
 Counts of each fault are kept in ``faults``. Only 127.0.0.1.
 
@@ -83,6 +86,23 @@ class FaultProxy:
                 return self.random.randint(0, 2048)
             return self.random.randint(0, 1 << 20)
 
+    def _body_cut(self, data: bytes, line: bytes) -> tuple[bytes, str | None, int]:
+        """(data, fault, cut) for a ``cut_body`` reply: cut -1 while its
+        headers are not whole; the fault dropped for a reply with no body or
+        not to a GET."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return data, "cut_body", -1
+        length = 0
+        for header in data[:end].split(b"\r\n")[1:]:
+            name, _, value = header.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        if not line.startswith(b"GET ") or length <= 0:
+            return data, None, 0
+        with self.lock:
+            return data, "cut_body", end + 4 + self.random.randint(0, length - 1)
+
     def _accept(self) -> None:
         while not self._stop:
             try:
@@ -101,6 +121,7 @@ class FaultProxy:
             fault: str | None = None
             phase = "idle"  # then "request" (client sending), "reply" (server sending)
             sent = cut = 0  # reply bytes passed on; where a truncated reply ends
+            held = b""  # (cut_body) the reply's start, until its headers are whole
             watch.register(client, selectors.EVENT_READ)
             watch.register(upstream, selectors.EVENT_READ)
             while True:
@@ -112,7 +133,7 @@ class FaultProxy:
                     if not data:
                         return
                     if phase != "request":  # a new exchange
-                        phase, sent = "request", 0
+                        phase, sent, held = "request", 0, b""
                         line = data.split(b"\r\n", 1)[0]  # "GET /bucket/key?... HTTP/1.1"
                         fault, cut = self._draw(), self._cut()
                         if fault == "before":
@@ -132,7 +153,13 @@ class FaultProxy:
                     if fault == "after":
                         _reset(client)
                         return
-                    if fault == "truncate":
+                    if fault == "cut_body" and not sent:  # (the cut is chosen with the headers)
+                        data, fault, cut = self._body_cut(held + data, line)
+                        if fault == "cut_body" and cut < 0:  # headers not whole yet
+                            held = data
+                            continue
+                        held = b""
+                    if fault in ("truncate", "cut_body"):
                         if sent + len(data) > cut:
                             client.sendall(data[:max(0, cut - sent)])
                             _reset(client)
