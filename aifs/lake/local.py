@@ -1,9 +1,11 @@
 """A local directory as a lake (``file://``): the embedded default.
 
 Key ``a/b/c`` is the file ``ROOT/a/b/c``; key ``a/`` (a directory marker) is
-the directory ``ROOT/a``. Writes go to a temporary file renamed into place, so
-a reader never sees a partial object and a replaced object gets a new ETag
-(derived from inode, mtime and size). User metadata lives in ``user.`` xattrs.
+the directory ``ROOT/a``. ROOT is reached through a descriptor held open
+(``/proc/self/fd/N``): a key may be nearly PATH_MAX long wherever ROOT is.
+Writes go to a temporary file renamed into place, so a reader never sees a
+partial object and a replaced object gets a new ETag (derived from inode,
+mtime and size). User metadata lives in ``user.`` xattrs.
 """
 
 from __future__ import annotations
@@ -103,12 +105,28 @@ def _drop_marker(path: str) -> None:
 
 class LocalStore(ObjectStore):
     def __init__(self, root: str, prefix: str = "", max_threads: int = 16) -> None:
-        self.root = os.path.abspath(root)
+        #: the lake directory as a person names it (messages, checks)
+        self.where = os.path.abspath(root)
+        #: the lake directory as its files are reached: through a descriptor
+        #: held open (``/proc/self/fd/N``), so a key may be as long as a path
+        #: relative to it can be, however deep the directory itself lies
+        self.root = self.where
+        self._root_fd: int | None = None
+        try:
+            fd = os.open(self.where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            pass  # (none there yet: check() says so)
+        else:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                self._root_fd, self.root = fd, f"/proc/self/fd/{fd}"
+            else:  # no /proc: paths from the root, and keys shorter by its length
+                os.close(fd)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # a path of the lake directory holds at most PATH_MAX - 1 bytes
         self.max_key_bytes = 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
         self.keys_nest = True
-        self.description = f"file://{self.root}" + (f" (prefix {self.prefix})" if prefix else "")
+        self.description = f"file://{self.where}" + (f" (prefix {self.prefix})" if prefix
+                                                      else "")
         self._limiter = trio.CapacityLimiter(max_threads)
         # upload id -> ETag of the object it made, for uploads completed by
         # this process: a local call has no reply to lose, but one cancelled
@@ -124,15 +142,27 @@ class LocalStore(ObjectStore):
         try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except FileNotFoundError as exc:
-            raise ObjectNotFound(f"no such object: {exc.filename}") from exc
+            raise ObjectNotFound(f"no such object: {self._named(exc.filename)}") from exc
         except NotADirectoryError as exc:
-            raise ObjectNotFound(f"no such object: {exc.filename}") from exc
+            raise ObjectNotFound(f"no such object: {self._named(exc.filename)}") from exc
         except OSError as exc:
-            where = f": {exc.filename}" if exc.filename else ""  # (a write's error names none)
-            message = f"local lake {self.root}: {exc.strerror}{where}"
+            where = f": {self._named(exc.filename)}" if exc.filename else ""
+            # (a write's error names no file)
+            message = f"local lake {self.where}: {exc.strerror}{where}"
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise LakeFull(message, quota=exc.errno == errno.EDQUOT) from exc
             raise LakeError(message) from exc
+
+    def _named(self, path: object) -> str:
+        """A path as a person names it (the lake directory's own path in front)."""
+        text = os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path)
+        return self.where + text[len(self.root):] if text.startswith(self.root) else text
+
+    async def aclose(self) -> None:
+        if self._root_fd is not None:  # later calls (none are expected) go by name
+            self.root = self.where
+            os.close(self._root_fd)
+            self._root_fd = None
 
     def _path(self, key: str) -> str:
         full = self.prefix + key
@@ -196,9 +226,9 @@ class LocalStore(ObjectStore):
     # -- interface ------------------------------------------------------
     async def check(self) -> None:
         if not os.path.isdir(self.root):
-            raise BucketNotFound(f"local lake directory {self.root} does not exist")
+            raise BucketNotFound(f"local lake directory {self.where} does not exist")
         if not os.access(self.root, os.R_OK | os.X_OK):
-            raise LakeError(f"local lake directory {self.root} is not readable")
+            raise LakeError(f"local lake directory {self.where} is not readable")
         await self._run(self._drop_stale_temporaries)
 
     def _drop_stale_temporaries(self) -> None:
