@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
 
 import trio
 
@@ -264,7 +263,6 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
             os.write(ready_fd, message.encode() + b"\n")
             os.close(ready_fd)
 
-    os.umask(PRIVATE_UMASK)  # (set by `aifs mount` already; any other caller too)
     # The trio thread answers FUSE requests while lake threads stream bodies;
     # a short GIL switch interval keeps request latency low under that load.
     sys.setswitchinterval(0.0005)
@@ -274,11 +272,10 @@ def serve(config: Config, ready_fd: int | None = None) -> int:
     try:
         cache_dir = config.resolved_cache_dir()
         lock = CacheLock(cache_dir)
+        from aifs.lake import local_directory, open_store
         warn_if_open(cache_dir, "cache directory")
-        lake = config.resolved_lake()
-        if lake.startswith("file://"):
-            warn_if_open(Path(unquote(urlparse(lake).path)), "lake directory")
-        from aifs.lake import open_store
+        if (lake_dir := local_directory(config)) is not None:
+            warn_if_open(Path(lake_dir), "lake directory")
         store = open_store(config)
         return trio.run(_serve, config, store, cache_dir, report, lock)
     except AifsError as exc:

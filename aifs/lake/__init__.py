@@ -19,7 +19,7 @@ from aifs.config import Config
 from aifs.errors import ConfigError
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
 
-__all__ = ["ListPage", "ObjectInfo", "ObjectStore", "open_store"]
+__all__ = ["ListPage", "ObjectInfo", "ObjectStore", "local_directory", "open_store"]
 
 
 def open_store(config: Config) -> ObjectStore:
@@ -29,14 +29,23 @@ def open_store(config: Config) -> ObjectStore:
     return RetryingStore(_open_one(config), RetryPolicy(attempts=config.retries))
 
 
-def _open_one(config: Config) -> ObjectStore:
+def local_directory(config: Config) -> str | None:
+    """The directory of ``config``'s lake if it is a local one (file://)."""
     url = config.resolved_lake()
     parsed = urlparse(url)
-    if parsed.scheme == "file":
+    if parsed.scheme != "file":
+        return None
+    if parsed.netloc not in ("", "localhost"):
+        raise ConfigError(f"file:// lake must be local: {url}")
+    return unquote(parsed.path)
+
+
+def _open_one(config: Config) -> ObjectStore:
+    if (directory := local_directory(config)) is not None:
         from aifs.lake.local import LocalStore
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"file:// lake must be local: {url}")
-        return LocalStore(unquote(parsed.path), max_threads=config.max_connections)
+        return LocalStore(directory, max_threads=config.max_connections)
+    url = config.resolved_lake()
+    parsed = urlparse(url)
     if parsed.scheme == "s3":
         from aifs.lake.s3 import S3Store
         if not parsed.netloc:

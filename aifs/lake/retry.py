@@ -64,16 +64,18 @@ class RetryPolicy:
             try:
                 return await fn()
             except LakeError as exc:
+                if not exc.transient:
+                    raise
                 attempt += 1
                 pause = self.delay(attempt - 1)
-                timed = deadline is not None and not getattr(exc, "unreached", False)
-                spent = trio.current_time() + pause > deadline if deadline is not None and timed \
-                    else attempt >= self.attempts
-                if not exc.transient or spent:
+                # seconds left of the budget; None: counted in attempts
+                left = None if deadline is None or getattr(exc, "unreached", False) \
+                    else deadline - trio.current_time()
+                if (pause > left) if left is not None else attempt >= self.attempts:
                     raise
                 self.causes[getattr(exc, "cause", "error")] += 1
-                step = f"{attempt}/{self.attempts - 1}" if deadline is None or not timed \
-                    else f"{attempt}, {deadline - trio.current_time():.0f} s left"
+                step = f"{attempt}, {left:.0f} s left" if left is not None \
+                    else f"{attempt}/{self.attempts - 1}"
                 log.warning("%s failed (%s); retry %s in %.2fs", what, exc, step, pause)
                 await trio.sleep(pause)
 

@@ -94,24 +94,21 @@ class S3Store(ObjectStore):
             return AccessDenied("no AWS credentials found (set AWS_ACCESS_KEY_ID/"
                                 "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)")
         endpoint = self.client.meta.endpoint_url
-        if isinstance(exc, (botocore.exceptions.EndpointConnectionError,
-                            botocore.exceptions.ConnectTimeoutError)):
+        if isinstance(exc, botocore.exceptions.EndpointConnectionError):
             return LakeUnavailable(f"cannot reach {endpoint}: {type(exc).__name__}",
-                                   "timeout" if isinstance(
-                                       exc, botocore.exceptions.ConnectTimeoutError)
-                                   else "connection", unreached=isinstance(
-                                       exc, botocore.exceptions.EndpointConnectionError))
+                                   "connection", unreached=True)
+        if isinstance(exc, botocore.exceptions.ConnectTimeoutError):
+            return LakeUnavailable(f"cannot reach {endpoint}: {type(exc).__name__}", "timeout")
         if isinstance(exc, botocore.exceptions.ReadTimeoutError):
             return LakeUnavailable(f"{what}: no answer from {endpoint} in time", "timeout")
         if isinstance(exc, botocore.exceptions.ConnectionClosedError):
             return LakeUnavailable(f"{what}: connection to {endpoint} reset before a whole "
                                    "answer came (the request may or may not have been done)",
                                    "connection")
-        if isinstance(exc, botocore.exceptions.ResponseStreamingError):
+        if isinstance(exc, (botocore.exceptions.ResponseStreamingError,
+                            botocore.exceptions.IncompleteReadError)):
             return LakeUnavailable(f"{what}: the answer from {endpoint} was cut short "
                                    f"({exc})", "truncated")
-        if isinstance(exc, botocore.exceptions.IncompleteReadError):
-            return LakeUnavailable(f"{what}: body cut short ({exc})", "truncated")
         if isinstance(exc, botocore.exceptions.BotoCoreError):
             return LakeUnavailable(f"{what}: {exc}")
         raise exc

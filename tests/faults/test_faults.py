@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from support.faultproxy import KINDS, FaultProxy
 from support.lakes import Lake, lake_tree, lake_uploads
+from support.mounts import Mount
 
 from aifs.errors import LakeUnavailable
 from aifs.lake.retry import RetryingStore, RetryPolicy
@@ -200,22 +202,20 @@ async def test_the_mount_time_check_names_the_fault_it_gave_up_on(proxied, kind,
 def test_a_mount_through_cut_get_bodies_comes_up_every_time(proxied, tmp_path):
     """Issue 50: a second node mounting a lake while 30 % of GET bodies are cut
     short (the mount's lake check among them) mounts, 50 times of 50, seeded;
-    ten at a time (separate caches, as separate nodes)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from support.mounts import Mount
+    ten at a time (separate caches, as separate nodes). (Only the mount: a
+    later LIST has the ordinary attempts, which five cuts in a row, about one
+    LIST in 400 here, still exhaust.)"""
     lake, proxy = proxied
-    lake.put("seen", b"x")
     proxy.rate = 0.3
 
-    def one(seed: int) -> list[str]:
+    def one(seed: int) -> bool:
         mount = Mount(lake, tmp_path / f"m{seed}", tmp_path / f"c{seed}",
                       tmp_path / f"m{seed}.log", [])
         try:
-            return os.listdir(mount.path)
+            return os.path.ismount(mount.path) and os.stat(mount.path).st_ino == 1
         finally:
             mount.unmount()
     with ThreadPoolExecutor(10) as pool:
-        listed = list(pool.map(one, range(50)))
-    assert listed == [["seen"]] * 50
+        came_up = list(pool.map(one, range(50)))
+    assert came_up == [True] * 50
     assert proxy.faults["cut_body"] >= 10  # the faults did come

@@ -40,8 +40,8 @@ def test_nothing_aifs_keeps_is_readable_by_another_user_outside_the_mount():
     base = Path(tempfile.mkdtemp(prefix="aifs-private-", dir="/var/tmp"))
     os.chmod(base, 0o755)  # anyone may look inside: only aifs's own modes protect
     lake_root = base / "lake"
-    lake_root.mkdir(mode=0o755)  # an existing lake directory open to others
-    lake_root.chmod(0o755)
+    lake_root.mkdir()
+    lake_root.chmod(0o755)  # an existing lake directory open to others
     cache, log = base / "cache", base / "daemon.log"
     old = os.umask(0o022)  # the usual umask: aifs must not rely on it
     try:

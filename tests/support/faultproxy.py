@@ -86,22 +86,23 @@ class FaultProxy:
                 return self.random.randint(0, 2048)
             return self.random.randint(0, 1 << 20)
 
-    def _body_cut(self, data: bytes, line: bytes) -> tuple[bytes, str | None, int]:
-        """(data, fault, cut) for a ``cut_body`` reply: cut -1 while its
-        headers are not whole; the fault dropped for a reply with no body or
-        not to a GET."""
+    def _body_cut(self, data: bytes, line: bytes) -> int | None:
+        """Where a ``cut_body`` reply starting with ``data`` ends: -1 while its
+        headers are not whole; None (the fault not counted) for a reply with
+        no body or not to a GET."""
         end = data.find(b"\r\n\r\n")
         if end < 0:
-            return data, "cut_body", -1
+            return -1
         length = 0
         for header in data[:end].split(b"\r\n")[1:]:
             name, _, value = header.partition(b":")
             if name.strip().lower() == b"content-length":
                 length = int(value.strip())
-        if not line.startswith(b"GET ") or length <= 0:
-            return data, None, 0
         with self.lock:
-            return data, "cut_body", end + 4 + self.random.randint(0, length - 1)
+            if not line.startswith(b"GET ") or length <= 0:
+                self.faults["cut_body"] -= 1
+                return None
+            return end + 4 + self.random.randint(0, length - 1)
 
     def _accept(self) -> None:
         while not self._stop:
@@ -154,11 +155,12 @@ class FaultProxy:
                         _reset(client)
                         return
                     if fault == "cut_body" and not sent:  # (the cut is chosen with the headers)
-                        data, fault, cut = self._body_cut(held + data, line)
-                        if fault == "cut_body" and cut < 0:  # headers not whole yet
+                        data, held = held + data, b""
+                        chosen = self._body_cut(data, line)
+                        if chosen == -1:  # headers not whole yet
                             held = data
                             continue
-                        held = b""
+                        fault, cut = (None, 0) if chosen is None else (fault, chosen)
                     if fault in ("truncate", "cut_body"):
                         if sent + len(data) > cut:
                             client.sendall(data[:max(0, cut - sent)])
