@@ -115,7 +115,7 @@ def _mount(args: argparse.Namespace) -> int:
         "policy_rules", "staging_hold",
         "checkpoint_keep",
         "stream_checkpoints", "stream_large_files", "stream_parts_in_flight",
-        "metrics_port", "metrics_address",
+        "recovered_max", "metrics_port", "metrics_address",
         "unmount_timeout", "allow_other", "log_level", "log_file", "log_format",
         "foreground", "fuse_options")}
     overrides["lake"] = lake

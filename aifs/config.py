@@ -185,6 +185,11 @@ class Config:
     stream_parts_in_flight: int = _option(2, "Parts of a streamed file uploaded at once "
                                           "while it is still being written (after close: "
                                           "parts_in_flight).", "int")
+    recovered_max: int = _option(parse_size("1G"), "Bytes the recovery directory "
+                                 "(<cache_dir>/recovered: files not published because a "
+                                 "write failed or a crash came) keeps at most, and never "
+                                 "more than a tenth of the cache disk; the oldest files go "
+                                 "first, a log line each.", "size")
     allow_other: bool = _option(False, "Let users other than the mounting one access the "
                                 "mount (FUSE allow_other).", "bool")
     metrics_port: int = _option(0, "TCP port of the Prometheus metrics endpoint "

@@ -86,8 +86,9 @@ class Filesystem:
                              self.promoter)
         self.direct = Direct(inodes, config, meta, self.reads, self.writes,
                              self.checkpoints)
+        self.recovery = Recovery(meta, local, config.recovered_max)
         self.open_files = Files(inodes, config, meta, self.reads, self.writes, self.promoter,
-                                self.checkpoints, self.dir_prefetch)
+                                self.checkpoints, self.dir_prefetch, self.recovery)
         moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints,
                       self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,
@@ -96,7 +97,6 @@ class Filesystem:
                                self.listings, self.hosting, self.promoter, self.compactor,
                                self.checkpoints, self.object_attrs, self.dir_prefetch,
                                lambda: self.metrics.snapshot())
-        self.recovery = Recovery(meta, local)
         self.tally = Tally(config, store, cache, local, meta, inodes, self.fetcher, self.promoter,
                            self.checkpoints, self.recovery, self.dir_prefetch, self.object_attrs)
         local.in_use = inodes.is_open
@@ -265,6 +265,7 @@ class Filesystem:
 
     def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes
         self.listings.on_changes = callback
+        self.open_files.on_changes = callback  # (a file set aside: Files._set_aside)
 
     # -- promotion (posix.hosting; it yields to requests: flush.pacing) ------------------
     async def sync(self, ino: int) -> None:

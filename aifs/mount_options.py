@@ -86,6 +86,7 @@ def mount_arguments(mount: argparse.ArgumentParser) -> None:
     mount.add_argument("--stream-checkpoints", choices=["auto", "true", "false"])
     mount.add_argument("--stream-large-files", choices=["auto", "true", "false"])
     mount.add_argument("--stream-parts-in-flight", type=int)
+    mount.add_argument("--recovered-max", help="e.g. 1G")
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this "
                        "port (127.0.0.1 unless --metrics-address)")

@@ -238,6 +238,12 @@ class Promoter:
         if ino not in self._failures:
             self.schedule(ino, 0.0, sooner=True)
 
+    def forget(self, ino: int) -> None:
+        """``ino`` owes the lake nothing any more (its changes were dropped):
+        its failures are no one's concern."""
+        self._failures.pop(ino, None)
+        self._changed()
+
     def progress(self, ino: int) -> int:
         """Bytes of the upload of ``ino`` under way that the lake has."""
         return self.uploads.sent.get(ino, 0) + self.streams.sent(ino)

@@ -199,6 +199,29 @@ class PromotionMixin(BatchesMixin):
         with self.env.begin() as txn:
             return [U64.unpack(k)[0] for k, _ in txn.cursor(db=self.unclosed_db)]
 
+    def revert(self, ino: int) -> Inode | None:
+        """While mounted: a file whose writes must not reach the lake (a write
+        of it failed) takes the lake's last version again. Its changes are
+        dropped (pending, the unclosed mark) and its version forgotten, and
+        its directory's listing made stale, so the next lookup or stat lists
+        it again: the lake's object replaces the entry, or, where there is
+        none, the entry goes (the kernel is told either way)."""
+        with self._write() as txn:
+            txn.delete(u64(ino), db=self.unclosed_db)
+            raw = txn.get(u64(ino), db=self.inodes)
+            if not raw:
+                return None
+            inode = Inode.decode(raw)
+            inode.pending, inode.etag, inode.attrs_known = 0, "", False
+            self._put(txn, inode)
+            parent_raw = txn.get(u64(inode.parent), db=self.inodes)
+            if parent_raw:
+                parent = Inode.decode(parent_raw)
+                if parent.listed_at:  # (a value that is no time: listed long ago)
+                    parent.listed_at = 1.0
+                    txn.put(u64(parent.ino), parent.encode(), db=self.inodes)
+        return inode
+
     def unpublish(self, ino: int) -> Inode | None:
         """Forget a file whose writes must not reach the lake (it was open for
         writing at a crash): its entry goes, without a tombstone, and its

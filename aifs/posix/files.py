@@ -19,10 +19,13 @@ from aifs.errors import FsError
 from aifs.flush.promoter import Promoter
 from aifs.flush.stream import StreamTarget
 from aifs.meta.objattrs import to_metadata as object_metadata
+from aifs.meta.schema import key_bytes
 from aifs.meta.store import Inode, MetaStore
 from aifs.policy import WEIGHTS
 from aifs.posix.inodes import Inodes, OpenFile
+from aifs.posix.listing import Changes
 from aifs.posix.reads import Reads
+from aifs.posix.recovery import Recovery
 from aifs.posix.writes import Writes
 from aifs.read.readahead import Readahead
 from aifs.read.scan import DirectoryPrefetch
@@ -31,7 +34,7 @@ from aifs.read.scan import DirectoryPrefetch
 class Files:
     def __init__(self, inodes: Inodes, config: Config, meta: MetaStore, reads: Reads,
                  writes: Writes, promoter: Promoter, checkpoints: Checkpoints,
-                 dir_prefetch: DirectoryPrefetch) -> None:
+                 dir_prefetch: DirectoryPrefetch, recovery: Recovery) -> None:
         self.inodes = inodes
         self.config = config
         self.meta = meta
@@ -41,6 +44,8 @@ class Files:
         self.promoter = promoter
         self.checkpoints = checkpoints
         self.dir_prefetch = dir_prefetch
+        self.recovery = recovery
+        self.on_changes: Changes | None = None  # tells the kernel (see Listings.on_changes)
 
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
         """Open a file; return the handle and whether the kernel may keep the
@@ -123,7 +128,15 @@ class Files:
 
     async def flush(self, fh: int) -> None:
         handle = self._file(fh)
-        if handle.writable:
+        ino = handle.ino
+        if handle.writable and ino in self.inodes.write_failed \
+                and self.inodes.writers.get(ino) == 1:
+            # The last writer's close (flush, not release, which the kernel
+            # sends after close() returned): the file is set aside before the
+            # application goes on. (A dup of this descriptor that writes on
+            # after this close writes to the lake's version.)
+            self._set_aside(ino, self.inodes.write_failed.pop(ino))
+        elif handle.writable:
             stored = self.inodes.save_written(handle.ino, closing=True)
             # before close() returns: a crash keeps it
             self.checkpoints.closed(handle.ino, stored)
@@ -167,6 +180,9 @@ class Files:
     def _last_writer_closed(self, ino: int) -> None:
         inodes = self.inodes
         inodes.writers.pop(ino, None)
+        if ino in inodes.write_failed:
+            self._set_aside(ino, inodes.write_failed.pop(ino))
+            return
         inodes.save_written(ino, closing=True)
         if ino in inodes.written:
             self.promoter.streams.closed(ino, inodes.written[ino][0],
@@ -181,3 +197,30 @@ class Files:
                       or self.promoter.streams.active(ino))
             self.promoter.schedule(ino, 0.0 if urgent else None,
                                    sooner=self.checkpoints.is_marker(inode))
+
+    def _set_aside(self, ino: int, why: str) -> None:
+        """The last writer closed a file after a write of it failed (and no
+        fsync or rewrite from size 0 since): the application saw the error,
+        so what the file holds is not published. Its bytes leave the cache
+        for the recovery directory now, not at the next mount (a file larger
+        than the disk must not keep the disk full), and the file takes the
+        lake's last version again, or goes if the lake has none."""
+        inodes = self.inodes
+        self.promoter.streams.cancel(ino, "a write failed")
+        inodes.forget_written(ino)
+        inodes.unclosed.discard(ino)
+        inodes.stale_local.discard(ino)
+        inodes.changed(ino)
+        inodes.kernel_etag.pop(ino, None)
+        inode = self.meta.get(ino)
+        if inode is None or inode.orphan:  # deleted while open: nothing to keep
+            self.local.remove(ino)
+            self.meta.clear_unclosed(ino)
+            return
+        if self.local.has(ino):
+            self.recovery.set_aside(ino, inode.key, why)
+        self.meta.revert(ino)
+        self.promoter.forget(ino)
+        if self.on_changes is not None:  # its name, attributes and pages: asked anew
+            self.on_changes(inode.parent, [key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])],
+                            [ino])

@@ -20,10 +20,14 @@ from aifs.meta.store import DATA, FILE, MetaStore
 log = logging.getLogger(__name__)
 
 
+RECOVERED_SHARE = 10  # the recovery directory keeps at most 1/this of the cache disk
+
+
 class Recovery:
-    def __init__(self, meta: MetaStore, local: LocalFiles) -> None:
+    def __init__(self, meta: MetaStore, local: LocalFiles, keep_max: int = 1 << 30) -> None:
         self.meta = meta
         self.local = local
+        self.keep_max = keep_max  # bytes the recovery directory holds at most (recovered_max)
         self.recovered_dir = local.root.parent / "recovered"
         self.recovered_files = 0  # files in it (counted at mount, kept since)
         self.stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # this mount's subfolder
@@ -102,6 +106,66 @@ class Recovery:
         self.recovered_files += 1
         return target
 
+    def set_aside(self, ino: int, key: str, why: str) -> None:
+        """While mounted: the copy of ``ino`` (a file whose write failed, at
+        its last close) moved into the recovery directory, which is then
+        trimmed to its cap (a copy larger than the cap is dropped at once,
+        not kept at the cost of everything kept before it); its disk space is
+        the cache's no longer."""
+        try:
+            size = os.stat(self.local.path(ino)).st_blocks * 512
+        except OSError:
+            size = 0
+        cap = self.cap()
+        try:
+            if size > cap:
+                raise OSError(f"{size} bytes, more than the {cap} it keeps at most "
+                              "(recovered_max, and a tenth of the cache disk)")
+            target = self._keep(ino, list(dict.fromkeys((key or str(ino), str(ino)))))
+        except OSError as exc:
+            log.error("%s is not published (a write failed: %s), and cannot be kept in %s "
+                      "(%s): its bytes are dropped", key, why, self.recovered_dir, exc)
+        else:
+            log.warning("%s is not published (a write failed: %s); the bytes written are "
+                        "in %s", key, why, target)
+        self.local.remove(ino)
+        self.trim()
+
+    def cap(self) -> int:
+        """Bytes the recovery directory may hold: ``keep_max``, and at most
+        a tenth of the disk it is on (it must not fill what the cache needs)."""
+        try:
+            st = os.statvfs(self.local.root)
+        except OSError:
+            return self.keep_max
+        return min(self.keep_max, st.f_blocks * st.f_frsize // RECOVERED_SHARE)
+
+    def trim(self) -> None:
+        """Drop the oldest kept files until the directory fits :meth:`cap`."""
+        kept: list[tuple[float, int, str]] = []
+        for where, _, names in os.walk(self.recovered_dir):
+            for name in names:
+                path = os.path.join(where, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                kept.append((st.st_mtime, st.st_blocks * 512, path))
+        total, cap = sum(size for _, size, _ in kept), self.cap()
+        for _, size, path in sorted(kept):
+            if total <= cap:
+                break
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                log.error("cannot drop %s from the recovery directory: %s", path, exc)
+                continue
+            total -= size
+            self.recovered_files -= 1
+            log.warning("dropped %s (%d bytes) from the recovery directory: it keeps at "
+                        "most %d bytes (recovered_max, and a tenth of the cache disk), "
+                        "oldest first", path, size, cap)
+
     def _keep_unknown(self, ino: int) -> bool:
         """A copy an earlier release's C loop may have created, kept; False
         if it could not be moved (it stays, for the next mount)."""
@@ -128,3 +192,4 @@ class Recovery:
                             "published; the bytes written are in %s", inode.key, target)
             self.local.remove(ino)
             self.meta.unpublish(ino)
+        self.trim()

@@ -71,9 +71,9 @@ class Writes:
         if handle.kill_setid:
             handle.kill_setid = False
             self.kill_setid(ino)
-        size, _ = await self.make_local(ino)
         end = offset + len(data)
         try:
+            size, _ = await self.make_local(ino)
             if end > size:
                 await self.reserve(end - size)
             written = await self._pwrite(self.local.fd(ino), data, offset)
@@ -225,9 +225,11 @@ class Writes:
                 piece = memoryview(block)[:size - index * bs]
                 await trio.to_thread.run_sync(os.pwrite, fd, piece, index * bs,
                                               limiter=self.inodes.disk)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             os.unlink(tmp)
+            if isinstance(exc, OSError):  # a full cache disk is ENOSPC, not EIO
+                raise FsError(exc.errno or errno.EIO) from None
             raise
         os.close(fd)
         self.local.adopt(inode.ino, tmp)

@@ -38,8 +38,8 @@ def _write(path: Path, size: int, seed: int) -> bytes:
 
 
 @pytest.mark.parametrize("lake", ["local"], indirect=True)
-def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, mounter,
-                                                                     small_disk):
+def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, small_disk,
+                                                                     mounter):
     mount = mounter(lake, "--promote-delay", "0", "--cache-size", "10G",
                     "--cache-dir", str(small_disk / "cache"))  # (the last --cache-dir wins)
     root = mount.path
@@ -52,11 +52,11 @@ def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, mount
     with pytest.raises(OSError) as refused:
         _write(root / "too-big.bin", 200 * MiB, 2)
     assert refused.value.errno == errno.ENOSPC
-    # Creates, reads and deletes go on. (The refused file keeps what it has,
-    # as on ext4, but is not published: test_a_file_whose_write_failed_...)
+    # Creates and reads go on. The refused file is not published, and at its
+    # close its bytes left the disk (test_a_file_whose_write_failed_...).
     (root / "empty").touch()
     assert (root / "kept.bin").read_bytes() == kept
-    os.unlink(root / "too-big.bin")  # space returns
+    assert not (root / "too-big.bin").exists()
     (root / "small.txt").write_bytes(b"still works")
     again = _write(root / "after.bin", 30 * MiB, 3)  # no restart needed
     assert (root / "after.bin").read_bytes() == again
@@ -69,11 +69,15 @@ def test_a_full_cache_disk_refuses_only_what_cannot_fit_and_recovers(lake, mount
 
 
 @pytest.mark.parametrize("lake", ["local"], indirect=True)
-def test_a_file_whose_write_failed_is_not_published(lake, mounter, small_disk, aifs_cli):
+def test_a_file_whose_write_failed_is_set_aside_at_close_and_never_locks_the_mount(
+        lake, small_disk, mounter, aifs_cli):
     """The writer saw ENOSPC, so what the file holds is not what it meant to
-    write: as after a crash, the lake keeps the last published version and the
-    next mount moves the bytes to the recovery directory. A file written
-    again from nothing after the error is published as usual."""
+    write: as after a crash it is not published. At its last close its bytes
+    leave the cache for the recovery directory (a copy larger than the
+    directory's cap, a tenth of this 128 MiB disk, is dropped with a log
+    line instead), the name shows the lake's last version again (a new file
+    goes), `aifs sync` succeeds, and later writes need no restart. A file
+    written again from size 0 after the error is published as usual."""
     cache = small_disk / "cache"
     args = ("--promote-delay", "0", "--cache-size", "10G", "--cache-dir", str(cache))
     mount = mounter(lake, *args)
@@ -85,24 +89,44 @@ def test_a_file_whose_write_failed_is_not_published(lake, mounter, small_disk, a
         _write(root / "retried.bin", 200 * MiB, 2)
     assert refused.value.errno == errno.ENOSPC
     retried = _write(root / "retried.bin", 8 * MiB, 3)
-    # Failed and left so: not published.
+    # A new file larger than the cap fails: at its close it goes, bytes and name.
     with pytest.raises(OSError) as refused:
-        _write(root / "model.bin", 200 * MiB, 4)
+        _write(root / "new.bin", 200 * MiB, 5)
     assert refused.value.errno == errno.ENOSPC
-    result = aifs_cli("sync", str(root))
-    assert result.returncode != 0 and "a write failed" in result.stderr, result.stderr
-    files, _ = lake_tree(lake)
-    assert files["model.bin"] == first and files["retried.bin"] == retried
+    assert not (root / "new.bin").exists()  # (the kernel was told before close returned)
+    assert "new.bin" not in os.listdir(root)
+    # model.bin fails while another open file fills the disk: small enough to keep.
+    with open(root / "model.bin", "r+b", buffering=0) as fp, \
+            open(root / "filler.bin", "wb", buffering=0) as filler:
+        fp.seek(4 * MiB)
+        fp.write(b"m" * MiB)
+        with pytest.raises(OSError):
+            for _ in range(200):
+                filler.write(b"f" * MiB)
+        with pytest.raises(OSError) as refused:
+            fp.write(b"m" * 8 * MiB)
+        assert refused.value.errno == errno.ENOSPC
+    assert (root / "model.bin").read_bytes() == first  # the lake's version again
+    assert not (root / "filler.bin").exists()
+    kept = list((cache / "recovered").glob("*/model.bin"))
+    assert len(kept) == 1 and kept[0].read_bytes()[:4 * MiB] == first
+    assert list((cache / "recovered").glob("*/filler.bin")) == []
+    assert "filler.bin" in mount.log.read_text()  # dropped, and said so
+    # Nothing holds the disk: sync succeeds and later writes go on.
+    assert aifs_cli("sync", str(root), "--quiet").returncode == 0
+    later = [_write(root / f"later{i}.bin", 20 * MiB, 20 + i) for i in range(5)]
+    assert aifs_cli("sync", str(root), "--quiet").returncode == 0
+    status = aifs_cli("status", str(root))
+    assert "recovered" in status.stdout and "1 file" in status.stdout, status.stdout
     mount.unmount()
     files, _ = lake_tree(lake)
     assert files["model.bin"] == first and files["retried.bin"] == retried
+    assert "new.bin" not in files and "filler.bin" not in files
+    for i, data in enumerate(later):
+        assert files[f"later{i}.bin"] == data
     again = mounter(lake, *args, name="again")
     assert (again.path / "model.bin").read_bytes() == first
     assert (again.path / "retried.bin").read_bytes() == retried
-    kept = list((cache / "recovered").glob("*/model.bin"))
-    assert len(kept) == 1 and kept[0].stat().st_size > 0
-    status = aifs_cli("status", str(again.path))
-    assert "recovered" in status.stdout and "1 file" in status.stdout, status.stdout
 
 
 def _sync_refused(mount, lake, name: str, size: int, expected: int,
@@ -125,7 +149,7 @@ def _sync_refused(mount, lake, name: str, size: int, expected: int,
     return data, result.stderr
 
 
-def test_a_full_lake_is_said_to_be_full_and_loses_nothing(mounter, small_disk, aifs_cli):
+def test_a_full_lake_is_said_to_be_full_and_loses_nothing(small_disk, mounter, aifs_cli):
     """The lake itself has no room (here a local lake on a 16 MiB disk; a
     spent Ceph quota or a full MinIO answers the same): `aifs sync` fails
     with ENOSPC and one line that says so, not EIO; no partial object shows

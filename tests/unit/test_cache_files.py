@@ -75,3 +75,27 @@ def test_no_spare_is_made_while_the_cpus_are_busy(tmp_path):
         assert os.fstat(fd).st_size == 0
     finally:
         local.close()
+
+
+def test_the_recovery_directory_keeps_its_cap_dropping_the_oldest_first(tmp_path):
+    """Files set aside (a write failed, a crash came) fill the recovery
+    directory up to recovered_max: a newer one pushes out the oldest; one
+    larger than the cap is not kept at all, and keeps what was kept."""
+    from aifs.posix.recovery import Recovery
+
+    local = LocalFiles(tmp_path, idle=lambda: True)
+    recovery = Recovery(None, local, keep_max=5 << 20)  # type: ignore[arg-type]
+    for ino, key, size in [(1, "old.bin", 2), (2, "mid.bin", 2), (3, "new.bin", 2),
+                           (4, "huge.bin", 6)]:
+        local.create(ino)
+        with open(local.path(ino), "wb") as fp:
+            fp.write(b"x" * (size << 20))
+        local.resized(ino, size << 20)
+        recovery.set_aside(ino, key, "test")
+        assert not local.has(ino) and not local.path(ino).exists()
+        kept = recovery.recovered_dir / recovery.stamp / key
+        if kept.exists():
+            os.utime(kept, (ino, ino))  # set aside in this order, seconds apart
+    kept = sorted(p.name for p in (recovery.recovered_dir / recovery.stamp).iterdir())
+    assert kept == ["mid.bin", "new.bin"]
+    assert local.used == 0
