@@ -74,7 +74,8 @@ class Filesystem:
                                                    inodes.uid, inodes.gid)
         self.packer = self.promoter.packer
         self.compactor = Compactor(self.packer, store, meta, config)
-        self.reads = Reads(inodes, config, self.fetcher, self.packer, self.checkpoints)
+        self.reads = Reads(inodes, config, self.fetcher, self.packer, self.checkpoints,
+                           self.promoter)
         self.hosting.attach(self.promoter, self.reads)
         self.object_attrs = ObjectAttributes(meta, store, config)
         self.dir_prefetch = DirectoryPrefetch(
@@ -89,6 +90,7 @@ class Filesystem:
         self.recovery = Recovery(meta, local, config.recovered_max)
         self.open_files = Files(inodes, config, meta, self.reads, self.writes, self.promoter,
                                 self.checkpoints, self.dir_prefetch, self.recovery)
+        self.hosting.set_aside = self.open_files.set_aside
         moves = Moves(inodes, store, meta, self.packer, self.promoter, self.checkpoints,
                       self.writes)
         self.namespace = Namespace(inodes, self.listings, self.open_files, self.writes, moves,

@@ -12,6 +12,7 @@ ranked ``EVICT_LAST`` (the newest checkpoints) after all others.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import stat
@@ -24,6 +25,12 @@ from pathlib import Path
 import trio
 
 log = logging.getLogger(__name__)
+
+# fallocate(2), which os lacks for holes: give a range of a file back to the disk
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # FALLOC_FL_*
 
 EVICT_FIRST = 0
 EVICT_LRU = 1
@@ -48,6 +55,7 @@ class LocalFiles:
         self._prefix = f"{self.root}/"  # where copies are named, as a str: opens build no Path
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
+        self._punched: dict[int, int] = {}  # ino -> bytes of its size given back (punch)
         self._clean: OrderedDict[int, None] = OrderedDict()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._rank: dict[int, int] = {}  # ino -> EVICT_FIRST or EVICT_LAST (else LRU)
@@ -84,6 +92,20 @@ class LocalFiles:
         with self._lock:
             self.used += size - self._sizes.get(ino, 0)
             self._sizes[ino] = size
+            if not size:  # emptied: no holes left
+                self.used += self._punched.pop(ino, 0)
+
+    def punch(self, ino: int, offset: int, length: int) -> None:
+        """Give ``length`` bytes at ``offset`` of the copy back to the disk (a
+        hole; the size stays): they are in the lake (flush.stream, spilling).
+        The copy's accounted size is what it holds on the disk from now on."""
+        if _fallocate(self.fd(ino), _PUNCH_HOLE | _KEEP_SIZE, offset, length):
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        with self._lock:
+            if ino in self._sizes:
+                self._punched[ino] = self._punched.get(ino, 0) + length
+                self.used -= length
 
     def resized(self, ino: int, size: int) -> None:
         if self._sizes.get(ino) != size:
@@ -302,7 +324,7 @@ class LocalFiles:
             self._clean.pop(ino, None)
             self._rank.pop(ino, None)
             if size is not None:
-                self.used -= size
+                self.used -= size - self._punched.pop(ino, 0)
         try:
             os.unlink(self.path(ino))
         except FileNotFoundError:

@@ -26,6 +26,12 @@ class PromotionHost(Protocol):
         for its writer to repair), or None if it may."""
         ...
 
+    def lost(self, ino: int, why: str) -> None:
+        """``ino``'s bytes left its local copy for an upload that failed
+        (``flush.stream``, spilling): it cannot be published; it takes the
+        lake's last version again (or goes), as a file whose write failed."""
+        ...
+
     def change_count(self, ino: int) -> int:
         """How many times ``ino`` changed: an upload whose count moved while it
         ran holds an older version."""

@@ -88,7 +88,7 @@ class Promoter:
         self.pacer = Pacer(config.promote_busy_rate)
         self.streams = Streams(store, meta, lambda number: part_size(number, config.part_size),
                                config.multipart_threshold, config.parts_in_flight,
-                               config.stream_parts_in_flight)
+                               config.stream_parts_in_flight, files.punch)
         self.packer = Packer(self, store, meta, files, config, uid, gid)
         self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
                                self.streams, self.packer, self.pacer)
@@ -308,7 +308,8 @@ class Promoter:
                 if current is not None and not current.orphan:
                     self.schedule(ino, 0.0)
                 return False
-        if self.host.change_count(ino) != version:
+        spilled = ino in self.streams.spilled  # its copy has holes: its data is done
+        if self.host.change_count(ino) != version and not spilled:
             # Changed meanwhile: promote the newer state later. The lake holds
             # this version now: remember it, so a rename or unlink deletes it.
             self.meta.update(ino, etag=info.etag)
@@ -337,6 +338,11 @@ class Promoter:
                     [object_record(name, etags.get(name, info.etag), metadata)
                      for name in inode.keys()], lazy=True)
         settled = self.meta.settle(ino, key, done, **fields)
+        if spilled:
+            # The copy is not the file (flush.stream): gone, reads come from the lake.
+            self.files.remove(ino)
+            self.streams.settled(ino)
+            self.meta.record_upload(ino, key, None)
         if settled is None:
             return True
         if done & DATA and not settled.pending:

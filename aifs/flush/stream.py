@@ -12,7 +12,8 @@ upload, a hole, a truncate or a write after close breaks the stream: its
 upload is aborted and the file is promoted after close as usual, so a
 non-sequential writer loses nothing. At most ``MAX_STREAMS`` files stream at
 once (each holds a file descriptor and up to ``parts_in_flight`` parts in
-memory); more writers are promoted after close. Completion happens only when
+memory); another writer starts streaming once one of those ends, if it is
+still written front to back, else it is promoted after close. Completion happens only when
 the promoter takes the closed file, so the lake never shows a partial object;
 a crash leaves an upload the next mount aborts (it is recorded before it is
 created, like every multipart upload).
@@ -20,6 +21,19 @@ created, like every multipart upload).
 The object's metadata is fixed when the upload is created, so it carries mode
 and owner but no ``mtime``: readers take the completion time, which is the
 close time to within the promotion delay.
+
+*Spilling*: when the cache disk runs short (``posix.writes``), the bytes of
+parts the lake acknowledged leave the local copy (holes punched in it), so a
+file larger than the free disk is written at lake speed. Its upload is then
+the only place its first bytes are, which sets three rules until it
+completes: a spilled stream is never abandoned for a whole upload (a change
+that would break it is refused while a writer holds it, and waits for the
+completion after the close: ``state``); a part that fails for good loses the
+file (``lost``: the writer's next write and close fail, or, after the
+close, the file takes the lake's last version again); and the upload's
+record says ``spilled``, so the next mount after a crash drops the copy
+instead of publishing its holes. Once the upload completes, the promoter
+drops the copy and reads come from the lake.
 """
 
 from __future__ import annotations
@@ -68,6 +82,9 @@ class Stream:
         self.finished = trio.Event()
         self._data = trio.Event()
         self.followed = False  # written past the daemon: parts checked before completion
+        self.started = 0.0  # wall time the upload was recorded
+        self.acked: list[tuple[int, int]] = []  # parts the lake has, still on the disk
+        self.spilled = 0  # bytes that left the disk: only in the upload's parts
 
     def _wake(self) -> None:
         self._data.set()
@@ -90,7 +107,12 @@ class Stream:
     def break_(self, why: str) -> None:
         if not self.broken:
             self.broken = why
-            log.debug("streaming upload of %s abandoned: %s", self.key, why)
+            if self.spilled:
+                log.error("upload of %s failed after %d bytes of it left the cache disk "
+                          "for it (%s): the file is lost, the lake keeps its last version",
+                          self.key, self.spilled, why)
+            else:
+                log.debug("streaming upload of %s abandoned: %s", self.key, why)
         self._wake()
 
 
@@ -98,9 +120,16 @@ class Streams:
     """Streaming uploads by inode; started and fed by the filesystem's writes."""
 
     def __init__(self, store: ObjectStore, meta: MetaStore, part_plan: Callable[[int], int],
-                 threshold: int, parts_in_flight: int, while_writing: int) -> None:
+                 threshold: int, parts_in_flight: int, while_writing: int,
+                 punch: Callable[[int, int, int], None] = lambda ino, offset, length: None,
+                 ) -> None:
         self.store = store
         self.meta = meta
+        self.punch = punch  # (ino, offset, length): give those bytes of the copy back
+        #: ino -> end of what left its copy for the lake (until the upload is settled)
+        self.spilled: dict[int, int] = {}
+        self.lost: dict[int, str] = {}  # spilled files whose upload failed: ino -> why
+        self._acked = trio.Event()  # a part reached the lake (spill waits on it)
         self.part_plan = part_plan  # part number -> its size
         self.threshold = threshold
         self.parts_in_flight = max(1, parts_in_flight)
@@ -143,7 +172,9 @@ class Streams:
             del self._candidates[ino]  # a hole: not a front-to-back writer
             return
         end = max(end, offset + length)
-        if end < self.threshold:
+        if end < self.threshold or len(self._streams) >= MAX_STREAMS:
+            # (past the threshold: it starts at a later write, once a stream
+            # ends, from the front, as long as it is still written in order)
             self._candidates[ino] = (target, end)
             return
         del self._candidates[ino]
@@ -151,9 +182,6 @@ class Streams:
         if where is None:
             return
         key, path, metadata = where
-        if len(self._streams) >= MAX_STREAMS:
-            log.debug("%s not streamed: %d files stream already", key, len(self._streams))
-            return
         stream = self._streams[ino] = Stream(ino, key, path, metadata, end)
         stream.followed = ino in self._followed
         self.started += 1
@@ -175,11 +203,14 @@ class Streams:
             stream.seal(size, version)
 
     def cancel(self, ino: int, why: str) -> None:
-        """Truncated, renamed or deleted: whatever was streamed is abandoned."""
+        """Truncated to 0, deleted or set aside (or, unspilled, renamed or
+        linked): whatever was streamed is abandoned."""
         self._candidates.pop(ino, None)
+        self.settled(ino)
         stream = self._streams.get(ino)
         if stream is None:
             return
+        stream.spilled = 0  # (what it spilled is no one's now: not a loss)
         stream.break_(why)
         if stream.finished.is_set() and not stream.completing:
             # every part was sent and no completion is under way: nobody else
@@ -189,6 +220,66 @@ class Streams:
             del self._streams[ino]
             if self._nursery is not None:
                 self._nursery.start_soon(self._abort, stream)
+
+    # -- spilling (see the module's docstring) ---------------------------------------
+    def spill(self, wanted: int) -> int:
+        """Punch the parts the lake has out of the copies of files that
+        stream, until ``wanted`` bytes are free; return the bytes freed."""
+        freed = 0
+        for stream in list(self._streams.values()):
+            if stream.broken or stream.followed or stream.completing:
+                continue
+            while stream.acked and freed < wanted:
+                offset, length = stream.acked.pop()
+                if not stream.spilled:  # a crash from now on must not publish the holes
+                    self.meta.record_upload(stream.ino, stream.key, stream.upload_id,
+                                            stream.started, spilled=True)
+                try:
+                    self.punch(stream.ino, offset, length)
+                except OSError as exc:  # (a disk that cannot punch holes: never again)
+                    log.warning("cannot give back parts of %s already in the lake: %s",
+                                stream.key, exc)
+                    stream.acked.clear()
+                    self.punch = lambda ino, offset, length: None
+                    return freed
+                stream.spilled += length
+                self.spilled[stream.ino] = max(self.spilled.get(stream.ino, 0), offset + length)
+                freed += length
+        if freed:
+            log.debug("gave %d bytes of streamed parts back to the cache disk", freed)
+        return freed
+
+    def spillable(self) -> bool:
+        """Whether waiting may let :meth:`spill` free more: parts are on the way."""
+        return any(s.in_flight or s.acked for s in self._streams.values()
+                   if not (s.broken or s.followed or s.completing))
+
+    async def wait_acked(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            await self._acked.wait()
+
+    def state(self, ino: int, offset: int | None = None) -> str:
+        """What a change of a spilled file may do: "" (it is not spilled, or
+        the change appends), "wait" (closed: its upload completes first),
+        "refuse" (a writer holds it: the change would need its spilled
+        bytes), or "lost" (its upload failed). ``offset``: a write's start
+        (None: a change that is no write, a truncate, rename or link)."""
+        if ino in self.lost:
+            return "lost"
+        if ino not in self.spilled:
+            return ""
+        stream = self._streams.get(ino)
+        if stream is None or stream.sealed is not None or stream.broken:
+            return "wait"
+        if offset is not None and stream.handed <= offset <= stream.end:
+            return ""
+        return "refuse"
+
+    def settled(self, ino: int) -> None:
+        """``ino``'s copy is whole again or gone: the upload it spilled into
+        completed (the promoter drops the copy), or it was emptied or deleted."""
+        self.spilled.pop(ino, None)
+        self.lost.pop(ino, None)
 
     def sent(self, ino: int) -> int:
         stream = self._streams.get(ino)
@@ -210,22 +301,30 @@ class Streams:
         stream = self._streams.get(ino)
         if stream is None:
             return None
-        if stream.key != key or stream.sealed != size or stream.version != version:
+        if stream.key != key or stream.sealed != size or (
+                stream.version != version and not stream.spilled):
+            # (A spilled file's bytes cannot have changed, see state(): its
+            # attributes did, and are written after the completion.)
             stream.break_("changed after it was written")
         try:
             await stream.finished.wait()
             if not stream.broken and stream.followed:
                 await self._verify(stream)
             if stream.broken:
+                if stream.spilled and ino in self.spilled:
+                    self.lost[ino] = stream.broken
                 await self._abort(stream)  # if it broke after its last part
                 return None
             parts = sorted(stream.parts)
             stream.completing = True
             info = await self.store.complete_multipart(stream.key, stream.upload_id, parts)
             self.completed += 1
-            self.meta.record_upload(ino, stream.key, None)
+            if not stream.spilled:  # (else once settled: the copy has holes till then)
+                self.meta.record_upload(ino, stream.key, None)
             return info
         except BaseException:
+            if stream.spilled and not stream.completing:
+                raise  # (cancelled while waiting: the upload stays, the next try completes it)
             stream.break_("completion failed")
             with trio.CancelScope(shield=True):
                 await self._abort(stream)
@@ -251,7 +350,7 @@ class Streams:
     # -- the upload itself ------------------------------------------------------------
     async def _run(self, stream: Stream) -> None:
         try:
-            started = time.time()
+            started = stream.started = time.time()
             self.meta.record_upload(stream.ino, stream.key, "", started)
             stream.upload_id = await self.store.create_multipart(stream.key, stream.metadata)
             self.meta.record_upload(stream.ino, stream.key, stream.upload_id, started)
@@ -267,6 +366,8 @@ class Streams:
             stream.break_(f"upload failed: {error or exc}")
         finally:
             if stream.broken:
+                if stream.spilled and stream.ino in self.spilled:
+                    self.lost[stream.ino] = stream.broken
                 with trio.CancelScope(shield=True):
                     await self._abort(stream)
                 if self._streams.get(stream.ino) is stream:
@@ -320,6 +421,9 @@ class Streams:
                                                 offset)
             stream.parts.append((number, etag))
             stream.sent += length
+            stream.acked.append((offset, length))
+            self._acked.set()
+            self._acked = trio.Event()
         except LakeError as exc:
             stream.break_(f"part {number} failed: {exc}")
         finally:

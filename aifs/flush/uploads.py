@@ -104,6 +104,12 @@ class Uploads:
                 self.stats.uploads += 1
                 self.stats.upload_bytes += size
                 return info
+        if inode.ino in self.streams.spilled:
+            # Its copy has holes where its bytes went to an upload that did
+            # not complete: never published from the copy (flush.stream).
+            why = self.streams.lost.get(inode.ino, "its upload ended unfinished")
+            self.host.lost(inode.ino, why)
+            return None
         if size < self.config.multipart_threshold:
             await self.pacer.take(size)
             data = await trio.to_thread.run_sync(_read_all, path)

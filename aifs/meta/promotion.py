@@ -147,17 +147,29 @@ class PromotionMixin(BatchesMixin):
         return out
 
     def record_upload(self, ino: int, key: str, upload_id: str | None,
-                      started: float = 0.0) -> None:
+                      started: float = 0.0, spilled: bool = False) -> None:
         """Record a multipart upload: ``upload_id`` "" before it is created (a
-        crash then leaves an upload we must find by key), None once it ended."""
+        crash then leaves an upload we must find by key), None once it ended.
+        ``spilled``: bytes of the file left its local copy for the upload's
+        parts (flush.stream), so the copy must never be published."""
         with self._write() as txn:
             txn.delete(u64(ino), db=self.uploads)  # the one-per-inode form of schema 2
             if upload_id is None:
                 txn.delete(u64(ino) + key_bytes(key), db=self.uploads)
             else:
-                record = {"key": key, "upload_id": upload_id, "started": started}
+                record: dict[str, object] = {"key": key, "upload_id": upload_id,
+                                             "started": started}
+                if spilled:
+                    record["spilled"] = True
                 txn.put(u64(ino) + key_bytes(key), json.dumps(record).encode(),
                         db=self.uploads)
+
+    def spilled_uploads(self) -> set[int]:
+        """The inodes whose local copy gave bytes to an upload that is still
+        recorded (unfinished): a crash left holes in those copies."""
+        with self.env.begin() as txn:
+            return {U64.unpack(k[:8])[0] for k, v in txn.cursor(db=self.uploads)
+                    if json.loads(v).get("spilled")}
 
     # -- a promotion done ----------------------------------------------------------
     def settle(self, ino: int, expect_key: str, done: int, **changes: object) -> Inode | None:

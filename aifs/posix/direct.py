@@ -78,6 +78,8 @@ class Direct:
         if handle is None:
             return None
         ino = handle.ino
+        if ino in self.streams.spilled:
+            return None  # its copy has holes (flush.stream): the daemon serves it
         if not self.local.has(ino):
             if not handle.writable:  # a cached file may get a copy as it closes
                 handle.admit = self.admissions.opened(ino, handle.version)

@@ -9,6 +9,7 @@ the lake.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 
 import trio
@@ -29,6 +30,8 @@ from aifs.posix.recovery import Recovery
 from aifs.posix.writes import Writes
 from aifs.read.readahead import Readahead
 from aifs.read.scan import DirectoryPrefetch
+
+log = logging.getLogger(__name__)
 
 
 class Files:
@@ -129,13 +132,18 @@ class Files:
     async def flush(self, fh: int) -> None:
         handle = self._file(fh)
         ino = handle.ino
+        lost = self.promoter.streams.state(ino) == "lost"
+        if lost:
+            self.inodes.write_failed.setdefault(ino, self.promoter.streams.lost[ino])
         if handle.writable and ino in self.inodes.write_failed \
                 and self.inodes.writers.get(ino) == 1:
             # The last writer's close (flush, not release, which the kernel
             # sends after close() returned): the file is set aside before the
             # application goes on. (A dup of this descriptor that writes on
             # after this close writes to the lake's version.)
-            self._set_aside(ino, self.inodes.write_failed.pop(ino))
+            self.set_aside(ino, self.inodes.write_failed.pop(ino))
+            if lost:
+                raise FsError(errno.EIO)  # close() says the file did not make it
         elif handle.writable:
             stored = self.inodes.save_written(handle.ino, closing=True)
             # before close() returns: a crash keeps it
@@ -181,7 +189,7 @@ class Files:
         inodes = self.inodes
         inodes.writers.pop(ino, None)
         if ino in inodes.write_failed:
-            self._set_aside(ino, inodes.write_failed.pop(ino))
+            self.set_aside(ino, inodes.write_failed.pop(ino))
             return
         inodes.save_written(ino, closing=True)
         if ino in inodes.written:
@@ -198,7 +206,7 @@ class Files:
             self.promoter.schedule(ino, 0.0 if urgent else None,
                                    sooner=self.checkpoints.is_marker(inode))
 
-    def _set_aside(self, ino: int, why: str) -> None:
+    def set_aside(self, ino: int, why: str) -> None:
         """The last writer closed a file after a write of it failed (and no
         fsync or rewrite from size 0 since): the application saw the error,
         so what the file holds is not published. Its bytes leave the cache
@@ -206,18 +214,23 @@ class Files:
         than the disk must not keep the disk full), and the file takes the
         lake's last version again, or goes if the lake has none."""
         inodes = self.inodes
-        self.promoter.streams.cancel(ino, "a write failed")
         inodes.forget_written(ino)
         inodes.unclosed.discard(ino)
         inodes.stale_local.discard(ino)
         inodes.changed(ino)
         inodes.kernel_etag.pop(ino, None)
+        spilled = ino in self.promoter.streams.spilled  # (cancel below forgets it)
+        self.promoter.streams.cancel(ino, "a write failed")
         inode = self.meta.get(ino)
         if inode is None or inode.orphan:  # deleted while open: nothing to keep
             self.local.remove(ino)
             self.meta.clear_unclosed(ino)
             return
-        if self.local.has(ino):
+        if spilled:  # (holes where its first bytes were: nothing worth keeping)
+            log.error("%s is not published (%s); its first bytes had left the cache "
+                      "disk for the lake: nothing of it is kept", inode.key, why)
+            self.local.remove(ino)
+        elif self.local.has(ino):
             self.recovery.set_aside(ino, inode.key, why)
         self.meta.revert(ino)
         self.promoter.forget(ino)

@@ -36,6 +36,8 @@ class Hosting:
         self.promoter: Promoter | None = None
         self.reads: Reads | None = None
         self.flush_on_unmount = True
+        #: a file that cannot be published taken back (posix.files, set by the core)
+        self.set_aside: Callable[[int, str], None] = lambda ino, why: None
 
     def attach(self, promoter: Promoter, reads: Reads) -> None:
         self.promoter = promoter
@@ -64,6 +66,15 @@ class Hosting:
         why = self.inodes.write_failed.get(ino)
         return None if why is None else (
             f"not published: a write failed ({why}); fsync it or write it again")
+
+    def lost(self, ino: int, why: str) -> None:
+        """See ``PromotionHost.lost``: a writer still open learns it at its
+        next write or close (``posix.writes``, ``posix.files``), which sets
+        the file aside; a closed file is set aside now."""
+        if self.inodes.writers.get(ino):
+            self.inodes.write_failed[ino] = why
+        else:
+            self.set_aside(ino, why)
 
     def change_count(self, ino: int) -> int:
         return self.inodes.changes.get(ino, 0)

@@ -215,6 +215,7 @@ class Namespace:
             await self.writes.make_local(ino)  # names of a packed file become objects
             if not inodes.writers.get(ino):
                 inodes.forget_written(ino)
+        await self.writes.before_change(ino)  # (a spilled file's upload completes first)
         inodes.save_written(ino)
         self.promoter.streams.cancel(ino, "linked")
         inodes.changed(ino)
@@ -224,6 +225,20 @@ class Namespace:
         inodes.remember(ino)
         inodes.schedule(ino)
         return inodes.with_written(linked)
+
+    async def _spilled_uploads_first(self, source: Inode) -> None:
+        """A file that is moved, or every file under a moved directory, whose
+        first bytes are only in its streamed upload (flush.stream, spilling)
+        has that upload complete under its old key first (or the move is
+        refused while a writer holds it): the upload cannot follow a rename."""
+        spilled = self.promoter.streams.spilled
+        if source.is_dir:
+            inos = [ino for ino in list(spilled) if (inode := self.meta.get(ino)) is not None
+                    and self.inodes.is_under(inode, source.ino)]
+        else:
+            inos = [source.ino]
+        for ino in inos:
+            await self.writes.before_change(ino)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int,
                      new_name: bytes, flags: int) -> None:
@@ -258,6 +273,7 @@ class Namespace:
             raise FsError(errno.EINVAL)  # into its own subtree
         if source.is_dir:  # its packed files below, in directories never listed too
             await self.packer.journals.ensure_complete()
+        await self._spilled_uploads_first(source)
         inodes.save_written(source.ino)
         source = inodes.get(source.ino)
         new_key = target_dir.key + name_of(new_name) + ("/" if source.is_dir else "")

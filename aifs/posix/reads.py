@@ -18,6 +18,7 @@ from aifs.cache.segments import SMALL
 from aifs.checkpoint import Checkpoints
 from aifs.config import Config
 from aifs.errors import FsError
+from aifs.flush.promoter import Promoter
 from aifs.meta.store import Inode
 from aifs.pack.index import pack_key
 from aifs.pack.packer import Packer
@@ -33,8 +34,9 @@ SCAN_WINDOW = 10.0
 
 class Reads:
     def __init__(self, inodes: Inodes, config: Config, fetcher: BlockFetcher,
-                 packer: Packer, checkpoints: Checkpoints) -> None:
+                 packer: Packer, checkpoints: Checkpoints, promoter: Promoter) -> None:
         self.inodes = inodes
+        self.promoter = promoter
         self.local = inodes.local
         self.fetcher = fetcher
         self.packs = packer.index
@@ -112,6 +114,8 @@ class Reads:
         return data
 
     async def _read(self, handle: OpenFile, offset: int, size: int) -> bytes | memoryview:
+        if offset < self.promoter.streams.spilled.get(handle.ino, 0):
+            await self._spilled(handle.ino)
         if self.local.has(handle.ino):
             self.inodes.counters.local_reads += 1
             self.local.touch(handle.ino)
@@ -152,6 +156,19 @@ class Reads:
             hi = min(end, (index + 1) * bs) - index * bs
             pieces.append(await self.fetcher.read(version, index, lo, hi))
         return b"".join(pieces)
+
+    async def _spilled(self, ino: int) -> None:
+        """A read of bytes that left the file's copy for its streamed upload
+        (flush.stream, spilling): once the file is closed, it waits for the
+        upload to complete and reads the lake's object; while a writer still
+        holds it, those bytes are nowhere to read (EIO, said in the log)."""
+        promoter = self.promoter
+        if promoter.streams.state(ino) == "wait":
+            await promoter.sync(lambda inode: inode.ino == ino, None)
+            return
+        log.error("a read of inode %d asked for bytes that are only in its upload until "
+                  "its writer closes it (the cache disk was short): EIO", ino)
+        raise FsError(errno.EIO)
 
     async def _packed_bytes(self, version: ObjectVersion) -> bytes:
         """A packed file's bytes, verified. A range GET of them alone, unless

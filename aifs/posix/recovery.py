@@ -39,6 +39,7 @@ class Recovery:
     def recover(self) -> None:
         """Reconcile local copies with the metadata after any exit."""
         meta, local = self.meta, self.local
+        self._drop_spilled()
         self._recover_unclosed()
         unknown_kept = self._legacy_journal_left()
         kept_all = True
@@ -179,6 +180,20 @@ class Recovery:
         self.local.remove(ino)  # (gone from the cache's books; the file moved)
         log.warning("inode %d %s: its bytes are in %s", ino, why, target)
         return True
+
+    def _drop_spilled(self) -> None:
+        """Files whose first bytes had left their local copy for a streamed
+        upload that a crash cut short (flush.stream, spilling): the copy has
+        holes, the upload is aborted (``abort_leftovers``); the lake keeps
+        its last version, as for any file a crash caught being written."""
+        for ino in self.meta.spilled_uploads():
+            inode = self.meta.get(ino)
+            self.local.remove(ino)
+            if inode is not None and not inode.orphan and inode.pending:
+                log.error("%s was being uploaded as it was written, its first bytes "
+                          "already only in that upload, when the node went down: not "
+                          "published, and nothing of it is kept", inode.key)
+                self.meta.unpublish(ino)
 
     def _recover_unclosed(self) -> None:
         if self.recovered_dir.is_dir():  # counted once here, not per status request

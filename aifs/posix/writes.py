@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 DISK_FULL_WAIT = 30.0  # seconds a write waits on a full cache disk for promotion
 DISK_FULL_EVICT = 64 << 20  # bytes of clean data evicted at least when the disk is full
+#: free cache disk below which the parts of streamed files the lake has leave
+#: their copies (flush.stream, spilling) before a write grows a file
+SPILL_BELOW = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Writes:
             self.kill_setid(ino)
         end = offset + len(data)
         try:
+            await self.before_change(ino, offset)
             size, _ = await self.make_local(ino)
             if end > size:
                 await self.reserve(end - size)
@@ -91,6 +95,21 @@ class Writes:
         inodes.changed(ino)
         self.local.resized(ino, size)
         return written
+
+    async def before_change(self, ino: int, offset: int | None = None) -> None:
+        """Before a change of a file whose first bytes may be only in its
+        streamed upload (flush.stream, spilling): a writer still holding it
+        may only append (else ENOSPC: its copy lacks the bytes the change
+        needs); once closed, the change waits for the upload to complete and
+        then finds the file in the lake; a file whose upload failed is EIO.
+        ``offset``: a write's (None: a truncate, rename or link)."""
+        state = self.promoter.streams.state(ino, offset)
+        if state == "lost":
+            raise FsError(errno.EIO)
+        if state == "refuse":
+            raise FsError(errno.ENOSPC)
+        if state == "wait":
+            await self.promoter.sync(lambda inode: inode.ino == ino, None)
 
     async def setattr(self, ino: int, changes: SetAttributes) -> Inode:
         inodes = self.inodes
@@ -167,9 +186,15 @@ class Writes:
         log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
                     "promotion", DISK_FULL_WAIT)
         amount = max(wanted, DISK_FULL_EVICT)
-        await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
-        freed = self.local.evict(amount)
+        streams = self.promoter.streams
+        freed = streams.spill(amount)  # parts the lake has leave the copies of files that stream
+        if freed < wanted:
+            await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
+            freed += self.local.evict(amount)
         with trio.move_on_after(DISK_FULL_WAIT):
+            while freed < wanted and streams.spillable():
+                await streams.wait_acked(1.0)
+                freed += streams.spill(amount)
             while freed < wanted and self.promoter.hurry():
                 await self.promoter.wait_progress()
                 freed += self.local.evict(amount)
@@ -238,6 +263,8 @@ class Writes:
     async def truncate(self, inode: Inode, size: int) -> None:
         inodes = self.inodes
         ino = inode.ino
+        if size:
+            await self.before_change(ino)
         self.promoter.streams.cancel(ino, "truncated")
         if size == 0:
             inodes.write_failed.pop(ino, None)  # written anew from nothing
@@ -261,16 +288,33 @@ class Writes:
     async def reserve(self, incoming: int) -> None:
         """Make room in the cache for ``incoming`` bytes of local data: evict
         clean blocks, then clean local copies, then wait for promotion."""
+        streams = self.promoter.streams
         def over() -> int:
             return self.cache.used + self.local.used + incoming - self.config.cache_size
+        if streams.spillable() and self._disk_free() < SPILL_BELOW:
+            streams.spill(SPILL_BELOW)  # the disk runs short: uploaded parts leave first
         if over() <= 0:
             return
         await trio.to_thread.run_sync(self.cache.evict, over(), limiter=self.inodes.disk)
         if over() > 0:
             self.local.evict(over())
-        while over() > 0 and self.promoter.hurry():
-            await self.promoter.wait_progress()
+        while over() > 0 and (streams.spill(over()) or streams.spillable()
+                              or self.promoter.hurry()):
+            if over() <= 0:
+                break
+            if streams.spillable():
+                await streams.wait_acked(1.0)
+            else:
+                await self.promoter.wait_progress()
             self.local.evict(max(0, over()))
+
+    def _disk_free(self) -> int:
+        """Free bytes on the cache disk (one statvfs)."""
+        try:
+            st = os.statvfs(self.local.root)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def room_for_blocks(self, incoming: int) -> None:
         """A fetched block needs room: old checkpoints' local copies go before

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
-from support.lakes import lake_tree
+import xxhash
+from support.lakes import S3_KINDS, lake_tree
 
 MiB = 1 << 20
 
@@ -127,6 +129,53 @@ def test_a_file_whose_write_failed_is_set_aside_at_close_and_never_locks_the_mou
     again = mounter(lake, *args, name="again")
     assert (again.path / "model.bin").read_bytes() == first
     assert (again.path / "retried.bin").read_bytes() == retried
+
+
+def _chunk(seed: int, index: int) -> bytes:
+    """1 MiB that says which file and which MiB it is: parts out of order or
+    from another file do not compare equal."""
+    return struct.pack("<QQ", seed, index) * (MiB // 16)
+
+
+def _write_chunks(path: Path, size: int, seed: int) -> str:
+    """Write ``size`` bytes front to back in 1 MiB writes; their xxh3."""
+    digest = xxhash.xxh3_128()
+    with open(path, "wb") as fp:
+        for index in range(size // MiB):
+            chunk = _chunk(seed, index)
+            fp.write(chunk)
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("lake", S3_KINDS, indirect=True)
+def test_files_larger_than_the_cache_disk_go_through_it_to_the_lake(lake, tmp_path, mounter,
+                                                                   aifs_cli):
+    """The issue's case: the cache directory on a 200 MiB disk, an S3 lake.
+    600 MiB of 20 MiB files, then one 300 MiB file (larger than the whole
+    disk), a sync, five more 20 MiB files: no application error; each file
+    reads back right (the large one from the lake: its first parts left the
+    disk once the lake had them) and is in the lake byte for byte."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(disk)], check=True)
+    try:
+        mount = mounter(lake, "--cache-dir", str(disk / "cache"))
+        root = mount.path
+        written = {f"f{i:02}.bin": _write_chunks(root / f"f{i:02}.bin", 20 * MiB, i)
+                   for i in range(30)}
+        written["big.bin"] = _write_chunks(root / "big.bin", 300 * MiB, 99)
+        result = aifs_cli("sync", str(root), "--quiet")
+        assert result.returncode == 0, result.stderr
+        written.update({f"g{i}.bin": _write_chunks(root / f"g{i}.bin", 20 * MiB, 100 + i)
+                        for i in range(5)})
+        with open(root / "big.bin", "rb") as fp:
+            assert xxhash.xxh3_128(fp.read()).hexdigest() == written["big.bin"]
+        mount.unmount()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    for name, digest in written.items():
+        assert xxhash.xxh3_128(lake.get(name)).hexdigest() == digest, name
 
 
 def _sync_refused(mount, lake, name: str, size: int, expected: int,
