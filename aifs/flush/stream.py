@@ -129,7 +129,7 @@ class Streams:
         #: ino -> end of what left its copy for the lake (until the upload is settled)
         self.spilled: dict[int, int] = {}
         self.lost: dict[int, str] = {}  # spilled files whose upload failed: ino -> why
-        self._acked = trio.Event()  # a part reached the lake (spill waits on it)
+        self._progress = trio.Event()  # a part reached the lake, or a stream ended
         self.part_plan = part_plan  # part number -> its size
         self.threshold = threshold
         self.parts_in_flight = max(1, parts_in_flight)
@@ -254,9 +254,21 @@ class Streams:
         return any(s.in_flight or s.acked for s in self._streams.values()
                    if not (s.broken or s.followed or s.completing))
 
-    async def wait_acked(self, timeout: float) -> None:
+    def busy(self) -> bool:
+        """Whether disk space may come from streams by waiting: parts on the
+        way (:meth:`spillable`), or an abandoned stream that still holds its
+        copy (a deleted or set-aside file's space returns when it ends)."""
+        return self.spillable() or any(s.broken and not s.finished.is_set()
+                                       for s in self._streams.values())
+
+    async def wait_progress(self, timeout: float) -> None:
+        """Until a part reaches the lake or a stream ends (or ``timeout``)."""
         with trio.move_on_after(timeout):
-            await self._acked.wait()
+            await self._progress.wait()
+
+    def _progressed(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
 
     def state(self, ino: int, offset: int | None = None) -> str:
         """What a change of a spilled file may do: "" (it is not spilled, or
@@ -373,6 +385,7 @@ class Streams:
                 if self._streams.get(stream.ino) is stream:
                     del self._streams[stream.ino]  # promoted after close as usual
             stream.finished.set()
+            self._progressed()
 
     async def _send_parts(self, stream: Stream, fd: int) -> None:
         in_flight = trio.Semaphore(self.parts_in_flight)
@@ -422,8 +435,7 @@ class Streams:
             stream.parts.append((number, etag))
             stream.sent += length
             stream.acked.append((offset, length))
-            self._acked.set()
-            self._acked = trio.Event()
+            self._progressed()
         except LakeError as exc:
             stream.break_(f"part {number} failed: {exc}")
         finally:

@@ -160,44 +160,57 @@ class Writes:
 
     async def _pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
         """Write to a local copy, inline: a write into the page cache takes
-        microseconds, less than handing it to a thread and back. A full cache
-        disk first gets room made (:meth:`_free_disk`); ENOSPC only if none
-        can be."""
-        try:
-            return os.pwrite(fd, data, offset)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise FsError(exc.errno or errno.EIO) from None
-        await self._free_disk(len(data))
-        try:
-            return os.pwrite(fd, data, offset)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+        microseconds, less than handing it to a thread and back. A disk that
+        fills during the write (all of it refused, or the rest after a short
+        write) first gets room made (:meth:`_free_disk`), and the rest is
+        written: a short count or ENOSPC only if no room can be made."""
+        view = memoryview(data)
+        done = 0
+        freed = False
+        while done < len(view):
+            try:
+                done += os.pwrite(fd, view[done:], offset + done)
+                continue  # (a short write: the disk filled; the next one says so)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise FsError(exc.errno or errno.EIO) from None
+            if freed:
+                if done:
+                    return done  # what fitted, as a local disk answers
                 log.error("local cache disk full: a write is refused (ENOSPC); what is "
                           "not in the lake yet fills it")
-            raise FsError(exc.errno or errno.EIO) from None
+                raise FsError(errno.ENOSPC)
+            await self._free_disk(len(view) - done)
+            freed = True
+        return done
 
     async def _free_disk(self, wanted: int) -> None:
-        """The cache disk is full (another tenant filled it, or sparse copies
-        grew behind the accounting): evict clean blocks and clean local
-        copies, and let promotion make dirty copies clean, for at most
+        """The cache disk is full (another tenant filled it, sparse copies
+        grew behind the accounting, or files stream through a short disk):
+        the parts of streaming files the lake has leave their copies, clean
+        blocks and clean local copies are evicted, and promotion makes dirty
+        copies clean, until ``wanted`` bytes are free or for at most
         DISK_FULL_WAIT seconds. The mount goes on by itself once space returns."""
+        streams = self.promoter.streams
+        amount = max(wanted, DISK_FULL_EVICT)
+        if streams.spill(amount) and self._disk_free() >= wanted:
+            return  # (the common case on a short disk: no log line)
         self.inodes.counters.disk_full += 1
         log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
                     "promotion", DISK_FULL_WAIT)
-        amount = max(wanted, DISK_FULL_EVICT)
-        streams = self.promoter.streams
-        freed = streams.spill(amount)  # parts the lake has leave the copies of files that stream
-        if freed < wanted:
-            await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
-            freed += self.local.evict(amount)
+        await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
+        self.local.evict(amount)
         with trio.move_on_after(DISK_FULL_WAIT):
-            while freed < wanted and streams.spillable():
-                await streams.wait_acked(1.0)
-                freed += streams.spill(amount)
-            while freed < wanted and self.promoter.hurry():
-                await self.promoter.wait_progress()
-                freed += self.local.evict(amount)
+            while self._disk_free() < wanted:
+                if streams.spill(amount):
+                    continue
+                if streams.busy():  # parts on their way, or an abandoned stream's copy
+                    await streams.wait_progress(1.0)
+                elif self.promoter.hurry():
+                    await self.promoter.wait_progress()
+                    self.local.evict(amount)
+                else:
+                    break
 
     async def make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).
@@ -303,7 +316,7 @@ class Writes:
             if over() <= 0:
                 break
             if streams.spillable():
-                await streams.wait_acked(1.0)
+                await streams.wait_progress(1.0)
             else:
                 await self.promoter.wait_progress()
             self.local.evict(max(0, over()))

@@ -8,6 +8,7 @@ mount works again by itself once space returns; nothing closed is lost.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from support.lakes import S3_KINDS, lake_tree
+from support.lakes import S3_KINDS, lake_tree, lake_uploads
+from support.mounts import wait_for
 
 MiB = 1 << 20
 
@@ -95,7 +97,8 @@ def test_a_file_whose_write_failed_is_set_aside_at_close_and_never_locks_the_mou
     with pytest.raises(OSError) as refused:
         _write(root / "new.bin", 200 * MiB, 5)
     assert refused.value.errno == errno.ENOSPC
-    assert not (root / "new.bin").exists()  # (the kernel was told before close returned)
+    # (the kernel is told as close returns, by the thread that writes its notices)
+    wait_for(lambda: not (root / "new.bin").exists(), 10, "new.bin gone")
     assert "new.bin" not in os.listdir(root)
     # model.bin fails while another open file fills the disk: small enough to keep.
     with open(root / "model.bin", "r+b", buffering=0) as fp, \
@@ -108,8 +111,8 @@ def test_a_file_whose_write_failed_is_set_aside_at_close_and_never_locks_the_mou
         with pytest.raises(OSError) as refused:
             fp.write(b"m" * 8 * MiB)
         assert refused.value.errno == errno.ENOSPC
+    wait_for(lambda: not (root / "filler.bin").exists(), 10, "filler.bin gone")
     assert (root / "model.bin").read_bytes() == first  # the lake's version again
-    assert not (root / "filler.bin").exists()
     kept = list((cache / "recovered").glob("*/model.bin"))
     assert len(kept) == 1 and kept[0].read_bytes()[:4 * MiB] == first
     assert list((cache / "recovered").glob("*/filler.bin")) == []
@@ -149,33 +152,106 @@ def _write_chunks(path: Path, size: int, seed: int) -> str:
 
 
 @pytest.mark.parametrize("lake", S3_KINDS, indirect=True)
-def test_files_larger_than_the_cache_disk_go_through_it_to_the_lake(lake, tmp_path, mounter,
-                                                                   aifs_cli):
+def test_files_larger_than_the_cache_disk_go_through_it_to_the_lake(lake, short_disk,
+                                                                   mounter, aifs_cli):
     """The issue's case: the cache directory on a 200 MiB disk, an S3 lake.
     600 MiB of 20 MiB files, then one 300 MiB file (larger than the whole
     disk), a sync, five more 20 MiB files: no application error; each file
     reads back right (the large one from the lake: its first parts left the
     disk once the lake had them) and is in the lake byte for byte."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(disk)], check=True)
-    try:
-        mount = mounter(lake, "--cache-dir", str(disk / "cache"))
-        root = mount.path
-        written = {f"f{i:02}.bin": _write_chunks(root / f"f{i:02}.bin", 20 * MiB, i)
-                   for i in range(30)}
-        written["big.bin"] = _write_chunks(root / "big.bin", 300 * MiB, 99)
-        result = aifs_cli("sync", str(root), "--quiet")
-        assert result.returncode == 0, result.stderr
-        written.update({f"g{i}.bin": _write_chunks(root / f"g{i}.bin", 20 * MiB, 100 + i)
-                        for i in range(5)})
-        with open(root / "big.bin", "rb") as fp:
-            assert xxhash.xxh3_128(fp.read()).hexdigest() == written["big.bin"]
-        mount.unmount()
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+    mount = mounter(lake, "--cache-dir", str(short_disk / "cache"))
+    root = mount.path
+    written = {f"f{i:02}.bin": _write_chunks(root / f"f{i:02}.bin", 20 * MiB, i)
+               for i in range(30)}
+    written["big.bin"] = _write_chunks(root / "big.bin", 300 * MiB, 99)
+    result = aifs_cli("sync", str(root), "--quiet")
+    assert result.returncode == 0, result.stderr
+    written.update({f"g{i}.bin": _write_chunks(root / f"g{i}.bin", 20 * MiB, 100 + i)
+                    for i in range(5)})
+    with open(root / "big.bin", "rb") as fp:
+        assert xxhash.xxh3_128(fp.read()).hexdigest() == written["big.bin"]
+    mount.unmount()
     for name, digest in written.items():
         assert xxhash.xxh3_128(lake.get(name)).hexdigest() == digest, name
+
+
+@pytest.fixture
+def short_disk(tmp_path):
+    """A 200 MiB tmpfs: a cache disk smaller than the files written below."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(path)], check=True)
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("lake", ["moto"], indirect=True)
+def test_a_file_whose_first_bytes_left_the_disk_refuses_what_needs_them_until_closed(
+        lake, short_disk, mounter):
+    """While the writer holds a spilled file: writing below what went to the
+    lake is ENOSPC and reading it is EIO (the bytes are in no readable place),
+    appending goes on; after the close, a read, a chmod and a rename wait for
+    the upload and then see the whole file; the writer's earlier error left
+    nothing unpublished but the refused write itself."""
+    mount = mounter(lake, "--cache-dir", str(short_disk / "cache"))
+    root = mount.path
+    with open(root / "big.bin", "wb", buffering=0) as fp:
+        for index in range(260):  # past the disk: its first parts left it
+            assert fp.write(_chunk(7, index)) == MiB  # (whole: no short write)
+        with open(root / "big.bin", "rb", buffering=0) as reader, \
+                pytest.raises(OSError) as unreadable:
+            reader.read(MiB)
+        assert unreadable.value.errno == errno.EIO
+        with pytest.raises(OSError) as refused:
+            os.pwrite(fp.fileno(), b"x", 0)
+        assert refused.value.errno == errno.ENOSPC
+    # The refused write made it a failed file: set aside (its copy has holes,
+    # so nothing of it is kept), and the name is gone (the lake never had it).
+    wait_for(lambda: not (root / "big.bin").exists(), 10, "big.bin gone")
+
+    with open(root / "again.bin", "wb", buffering=0) as fp:
+        for index in range(260):
+            assert fp.write(_chunk(8, index)) == MiB
+    expected = xxhash.xxh3_128(b"".join(_chunk(8, i) for i in range(260))).hexdigest()
+    os.chmod(root / "again.bin", 0o600)
+    with open(root / "again.bin", "rb") as fp:
+        assert xxhash.xxh3_128(fp.read(4 * MiB)).digest() == xxhash.xxh3_128(
+            b"".join(_chunk(8, i) for i in range(4))).digest()
+    os.rename(root / "again.bin", root / "moved.bin")
+    with open(root / "moved.bin", "rb") as fp:
+        assert xxhash.xxh3_128(fp.read()).hexdigest() == expected
+    assert os.stat(root / "moved.bin").st_mode & 0o777 == 0o600
+    mount.unmount()
+    assert xxhash.xxh3_128(lake.get("moved.bin")).hexdigest() == expected
+    assert "again.bin" not in lake_tree(lake)[0] and "big.bin" not in lake_tree(lake)[0]
+
+
+@pytest.mark.parametrize("lake", ["moto"], indirect=True)
+def test_a_crash_while_a_file_streams_through_a_short_disk_publishes_no_holes(
+        lake, short_disk, mounter):
+    """The daemon is killed while a file larger than the disk is being
+    written: its local copy has holes where its first parts were, so the
+    next mount publishes nothing of it and keeps nothing of it (no copy with
+    holes in recovered/), aborts its upload, and the files closed before it
+    are in the lake."""
+    mount = mounter(lake, "--cache-dir", str(short_disk / "cache"))
+    closed = _write_chunks(mount.path / "closed.bin", 20 * MiB, 1)
+    fp = open(mount.path / "open.bin", "wb", buffering=0)  # noqa: SIM115 (closed below)
+    for index in range(220):  # past the disk: its first parts left it
+        assert fp.write(_chunk(2, index)) == MiB
+    assert "gave" in mount.log_text()  # (parts left the disk)
+    mount.kill()
+    with contextlib.suppress(OSError):  # (the mount is gone: ENOTCONN)
+        fp.close()
+    again = mounter(lake, "--cache-dir", str(short_disk / "cache"), name="again")
+    assert not (again.path / "open.bin").exists()
+    with open(again.path / "closed.bin", "rb") as fp:
+        assert xxhash.xxh3_128(fp.read()).hexdigest() == closed
+    assert list((short_disk / "cache" / "recovered").glob("**/open.bin")) == []
+    again.unmount()
+    assert "open.bin" not in lake_tree(lake)[0]
+    assert xxhash.xxh3_128(lake.get("closed.bin")).hexdigest() == closed
+    assert lake_uploads(lake) == []
 
 
 def _sync_refused(mount, lake, name: str, size: int, expected: int,
