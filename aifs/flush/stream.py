@@ -53,9 +53,44 @@ from aifs.meta.store import MetaStore
 log = logging.getLogger(__name__)
 
 MAX_STREAMS = 16
+AHEAD = 16 << 20  # bytes past a gap a front-to-back writer's write may land (Front)
+AHEAD_WRITES = 64  # ... in at most this many writes
 
 #: where a stream's bytes go and come from: lake key, local copy, object metadata
 StreamTarget = tuple[str, str, dict[str, str]]
+
+
+class Front:
+    """How far a file is written from offset 0 without a gap. Writes a little
+    past it (within :data:`AHEAD`) wait for the gap to fill: the kernel may
+    hand one ``write()`` to the daemon as several requests at once, which
+    need not be served in order (one that waits for disk room lets the next
+    go first)."""
+
+    def __init__(self, end: int = 0) -> None:
+        self.end = end
+        self.ahead: dict[int, int] = {}  # start -> end of writes past a gap
+
+    def wrote(self, offset: int, length: int) -> bool:
+        """Count a write; False if it leaves a gap too far ahead to be a
+        front-to-back writer's."""
+        if offset > self.end:
+            if offset - self.end > AHEAD or len(self.ahead) >= AHEAD_WRITES:
+                return False
+            self.ahead[offset] = max(self.ahead.get(offset, 0), offset + length)
+            return True
+        self.end = max(self.end, offset + length)
+        while self.ahead:
+            joined = [start for start in self.ahead if start <= self.end]
+            if not joined:
+                break
+            for start in joined:
+                self.end = max(self.end, self.ahead.pop(start))
+        return True
+
+    def whole(self) -> bool:
+        """No gap left behind the front."""
+        return not self.ahead
 
 
 class Stream:
@@ -67,7 +102,8 @@ class Stream:
         self.key = key
         self.path = path
         self.metadata = metadata
-        self.end = written  # contiguous bytes written from offset 0
+        self.front = Front(written)
+        self.end = written  # contiguous bytes written from offset 0 (front.end)
         self.handed = 0  # bytes handed to part uploads: no write may go below
         self.sent = 0  # bytes of parts the lake acknowledged
         self.sealed: int | None = None  # final size, once the last writer closed
@@ -92,14 +128,15 @@ class Stream:
     def wrote(self, offset: int, length: int) -> None:
         if self.sealed is not None:
             self.break_("written after close")
-        elif offset < self.handed or offset > self.end:
+        elif offset < self.handed or not self.front.wrote(offset, length):
             self.break_("not written front to back")
         else:
-            self.end = max(self.end, offset + length)
+            self.end = self.front.end
             self._wake()
 
+
     def seal(self, size: int, version: int) -> None:
-        if size != self.end:
+        if size != self.end or not self.front.whole():
             self.break_("size changed")
         self.sealed, self.version = size, version
         self._wake()
@@ -136,7 +173,7 @@ class Streams:
         self.while_writing = max(1, min(while_writing, self.parts_in_flight))
         self._nursery: trio.Nursery | None = None
         # ino -> (what settles its target, contiguous bytes written so far)
-        self._candidates: dict[int, tuple[Callable[[int], StreamTarget | None], int]] = {}
+        self._candidates: dict[int, tuple[Callable[[int], StreamTarget | None], Front]] = {}
         self._streams: dict[int, Stream] = {}
         #: files written past the daemon (passthrough): their growth is all aifs
         #: sees, so every part sent is checked against the copy before completion
@@ -153,7 +190,7 @@ class Streams:
         """``ino`` was opened empty for writing; ``target(ino)``, asked once it
         reaches the threshold, says where it streams (None: it does not)."""
         if self._nursery is not None and ino not in self._streams:
-            self._candidates[ino] = (target, 0)
+            self._candidates[ino] = (target, Front())
 
     def wrote(self, ino: int, offset: int, length: int) -> None:
         stream = self._streams.get(ino)
@@ -167,22 +204,21 @@ class Streams:
         candidate = self._candidates.get(ino)
         if candidate is None:
             return
-        target, end = candidate
-        if offset > end:
+        target, front = candidate
+        if not front.wrote(offset, length):
             del self._candidates[ino]  # a hole: not a front-to-back writer
             return
-        end = max(end, offset + length)
-        if end < self.threshold or len(self._streams) >= MAX_STREAMS:
+        if front.end < self.threshold or len(self._streams) >= MAX_STREAMS:
             # (past the threshold: it starts at a later write, once a stream
             # ends, from the front, as long as it is still written in order)
-            self._candidates[ino] = (target, end)
             return
         del self._candidates[ino]
         where = target(ino)
         if where is None:
             return
         key, path, metadata = where
-        stream = self._streams[ino] = Stream(ino, key, path, metadata, end)
+        stream = self._streams[ino] = Stream(ino, key, path, metadata, front.end)
+        stream.front = front
         stream.followed = ino in self._followed
         self.started += 1
         assert self._nursery is not None
@@ -283,7 +319,7 @@ class Streams:
         stream = self._streams.get(ino)
         if stream is None or stream.sealed is not None or stream.broken:
             return "wait"
-        if offset is not None and stream.handed <= offset <= stream.end:
+        if offset is not None and stream.handed <= offset <= stream.end + AHEAD:
             return ""
         return "refuse"
 
@@ -396,9 +432,10 @@ class Streams:
                 length = self.part_plan(number)
                 # Wait for the writer to pass the part's end; while it writes,
                 # fewer parts go at once, leaving it the CPU and bandwidth.
+                # (A file spilling waits on these parts for disk room: all go.)
+                at_once = self.parts_in_flight if stream.spilled else self.while_writing
                 while not stream.broken and stream.sealed is None and (
-                        stream.end < offset + length
-                        or stream.in_flight >= self.while_writing):
+                        stream.end < offset + length or stream.in_flight >= at_once):
                     await stream._data.wait()
                     stream._data = trio.Event()
                 if stream.broken:

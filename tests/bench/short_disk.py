@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--size", default="1G")
     parser.add_argument("--free", default="256M", help="free cache disk at the start")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--log-level", default="warning", help="the mount's")
     parser.add_argument("--json", help="write results here too")
     args = parser.parse_args()
     size, free = parse_size(args.size), parse_size(args.free)
@@ -75,7 +76,7 @@ def main() -> int:
                 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={free + META_RESERVE}",
                                 "tmpfs", str(disk)], check=True)
                 mount = Mount(lake, work / "mnt", disk / "cache", work / "aifs.log",
-                              ["--log-level", "warning"])
+                              ["--log-level", args.log_level])
                 try:
                     st = os.statvfs(disk)
                     runs.setdefault("free_at_start_mib", []).append(
@@ -98,6 +99,12 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
         return 0
+    except BaseException:
+        log = work / "aifs.log"
+        if log.exists():
+            shutil.copy(log, "/tmp/short-disk-aifs.log")
+            print("the mount's log: /tmp/short-disk-aifs.log", file=sys.stderr)
+        raise
     finally:
         for stop in stops:
             stop()

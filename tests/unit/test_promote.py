@@ -41,3 +41,17 @@ def test_parts_never_exceed_5_gib():
 def test_too_big_is_refused():
     with pytest.raises(LakeError):
         plan_parts(1 << 60, 5 * MiB)
+
+
+def test_a_front_to_back_writer_may_land_a_little_out_of_order():
+    """One write() may reach the daemon as several requests served out of
+    order: a write past a gap within AHEAD waits for the gap; a gap left
+    open, or one too far, is no front-to-back writer's."""
+    from aifs.flush.stream import AHEAD, Front
+
+    front = Front()
+    assert front.wrote(0, 100)
+    assert front.wrote(200, 100) and front.end == 100 and not front.whole()
+    assert front.wrote(100, 100) and front.end == 300 and front.whole()
+    assert front.wrote(150, 10) and front.end == 300  # a rewrite below the front
+    assert not front.wrote(300 + AHEAD + 1, 1)  # a hole: sparse, not front to back
