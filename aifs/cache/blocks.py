@@ -28,6 +28,7 @@ All methods are blocking disk I/O: call them from a worker thread.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -97,6 +98,7 @@ class BlockCache:
         self.by_policy: Counter[str] = Counter()  # bytes cached per policy
         self.by_class: Counter[str] = Counter()  # bytes cached per class
         self.used = 0
+        self._landing = 0  # bytes admitted whose write has not ended (not on the disk yet)
         self.evictions = 0
         self.refused = 0  # blocks not admitted (a full dataset share, or all pinned)
         self.writer = DirectWriter()  # blocks skip the page cache: they are in memory
@@ -197,25 +199,39 @@ class BlockCache:
             with self._lock:
                 self.refused += 1
             return False
-        where = tmp = None
         try:
-            if len(data) <= SMALL:
-                where = self.segments.append(version.ident, index, data, version.policy, cls)
-            else:
-                if not path.parent.is_dir():
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    self._label(path.parent, version)
-                tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
-                self.writer.write_file(tmp, data)
-                os.rename(tmp, path)
-        except OSError as exc:
-            # A full or failing cache disk costs speed, not correctness.
-            log.warning("cannot cache block %s: %s", rel, exc.strerror)
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
+            return self._write(version, index, data, rel, path, cls)
+        finally:
             with self._lock:
-                self.used -= len(data)
-            return False
+                self._landing -= len(data)
+
+    def _write(self, version: ObjectVersion, index: int, data: Body, rel: str, path: Path,
+               cls: str) -> bool:
+        """Write an admitted block (``store``)."""
+        where = tmp = None
+        for attempt in (1, 2):
+            try:
+                if len(data) <= SMALL:
+                    where = self.segments.append(version.ident, index, data, version.policy,
+                                                 cls)
+                else:
+                    if not path.parent.is_dir():
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        self._label(path.parent, version)
+                    tmp = path.parent / f"tmp-{uuid.uuid4().hex}"
+                    self.writer.write_file(tmp, data)
+                    os.rename(tmp, path)
+                break
+            except OSError as exc:
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+                if attempt == 1 and exc.errno == errno.ENOSPC and self.evict(len(data)):
+                    continue  # a disk smaller than cache_size: older blocks make room
+                # A full or failing cache disk costs speed, not correctness.
+                log.warning("cannot cache block %s: %s", rel, exc.strerror)
+                with self._lock:
+                    self.used -= len(data)
+                return False
         with self._lock:
             if rel in self._blocks.get(version.ident, {}):  # stored twice at once
                 self.used -= len(data)
@@ -283,9 +299,13 @@ class BlockCache:
         blocks stored by several threads together cannot overshoot); False if
         they cannot fit without evicting what ``cls`` may not evict."""
         while True:
+            short = incoming + self._landing - self._disk_free()
             with self._lock:
-                if self.used + incoming + self.others() <= self.capacity:
+                # (the disk may be smaller than the capacity: both must hold it)
+                if self.used + incoming + self.others() <= self.capacity and (
+                        short <= 0 or not self._lru[REGULAR] and not self._lru[DATASET_CLASS]):
                     self.used += incoming
+                    self._landing += incoming
                     return True
                 rel = self._victim(cls)
                 if rel is None:
@@ -295,6 +315,13 @@ class BlockCache:
                     return False
             self._forget(rel)
             self.evictions += 1
+
+    def _disk_free(self) -> int:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return 1 << 62
+        return st.f_bavail * st.f_frsize if st.f_blocks else 1 << 62  # (ramfs: no size)
 
     def evict(self, wanted: int) -> int:
         """Drop blocks until ``wanted`` bytes are freed: regular ones (least

@@ -53,6 +53,8 @@ from aifs.meta.store import MetaStore
 log = logging.getLogger(__name__)
 
 MAX_STREAMS = 16
+EMPTIED = ("truncated", "a write failed")  # cancels after which a copy has no holes
+GONE = ("deleted", "replaced")  # ... after which no name leads to it
 AHEAD = 16 << 20  # bytes past a gap a front-to-back writer's write may land (Front)
 AHEAD_WRITES = 64  # ... in at most this many writes
 
@@ -136,8 +138,11 @@ class Stream:
 
 
     def seal(self, size: int, version: int) -> None:
-        if size != self.end or not self.front.whole():
+        if size < self.end:
             self.break_("size changed")
+        else:  # (a gap never filled past the front is a hole of the copy: zeros)
+            self.end = self.front.end = size
+            self.front.ahead.clear()
         self.sealed, self.version = size, version
         self._wake()
 
@@ -163,6 +168,7 @@ class Streams:
         self.store = store
         self.meta = meta
         self.punch = punch  # (ino, offset, length): give those bytes of the copy back
+        self.can_punch = True
         #: ino -> end of what left its copy for the lake (until the upload is settled)
         self.spilled: dict[int, int] = {}
         self.lost: dict[int, str] = {}  # spilled files whose upload failed: ino -> why
@@ -239,14 +245,22 @@ class Streams:
             stream.seal(size, version)
 
     def cancel(self, ino: int, why: str) -> None:
-        """Truncated to 0, deleted or set aside (or, unspilled, renamed or
-        linked): whatever was streamed is abandoned."""
+        """Truncated, deleted, set aside, renamed or linked: whatever was
+        streamed is abandoned. A spilled copy stays marked (its holes must
+        not be read as zeros) until it is emptied (truncated to 0, set
+        aside); other changes of a spilled file wait for its upload first
+        (``posix.writes.before_change``), so one that gets here loses it."""
         self._candidates.pop(ino, None)
-        self.settled(ino)
         stream = self._streams.get(ino)
+        if ino in self.spilled:
+            if why in EMPTIED:
+                self.settled(ino)
+            elif why not in GONE:
+                self.lost[ino] = why
+            if stream is not None:
+                stream.spilled = 0  # (said here, not again as a failed upload)
         if stream is None:
             return
-        stream.spilled = 0  # (what it spilled is no one's now: not a loss)
         stream.break_(why)
         if stream.finished.is_set() and not stream.completing:
             # every part was sent and no completion is under way: nobody else
@@ -262,9 +276,14 @@ class Streams:
         """Punch the parts the lake has out of the copies of files that
         stream, until ``wanted`` bytes are free; return the bytes freed."""
         freed = 0
+        if not self.can_punch:
+            return 0
         for stream in list(self._streams.values()):
             if stream.broken or stream.followed or stream.completing:
                 continue
+            current = self.meta.get(stream.ino)
+            if current is None or current.orphan or current.key != stream.key:
+                continue  # moved (a directory above it renamed): its upload cannot complete
             while stream.acked and freed < wanted:
                 offset, length = stream.acked.pop()
                 if not stream.spilled:  # a crash from now on must not publish the holes
@@ -275,8 +294,7 @@ class Streams:
                 except OSError as exc:  # (a disk that cannot punch holes: never again)
                     log.warning("cannot give back parts of %s already in the lake: %s",
                                 stream.key, exc)
-                    stream.acked.clear()
-                    self.punch = lambda ino, offset, length: None
+                    self.can_punch = False
                     return freed
                 stream.spilled += length
                 self.spilled[stream.ino] = max(self.spilled.get(stream.ino, 0), offset + length)
@@ -287,8 +305,8 @@ class Streams:
 
     def spillable(self) -> bool:
         """Whether waiting may let :meth:`spill` free more: parts are on the way."""
-        return any(s.in_flight or s.acked for s in self._streams.values()
-                   if not (s.broken or s.followed or s.completing))
+        return self.can_punch and any(s.in_flight or s.acked for s in self._streams.values()
+                                      if not (s.broken or s.followed or s.completing))
 
     def busy(self) -> bool:
         """Whether disk space may come from streams by waiting: parts on the
@@ -349,6 +367,9 @@ class Streams:
         stream = self._streams.get(ino)
         if stream is None:
             return None
+        if stream.spilled and stream.sealed is None:
+            raise LakeError(f"{key}: still being written, its first bytes only in its "
+                            "upload: it goes once its writer closes it")
         if stream.key != key or stream.sealed != size or (
                 stream.version != version and not stream.spilled):
             # (A spilled file's bytes cannot have changed, see state(): its

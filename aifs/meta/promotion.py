@@ -213,18 +213,22 @@ class PromotionMixin(BatchesMixin):
 
     def revert(self, ino: int) -> Inode | None:
         """While mounted: a file whose writes must not reach the lake (a write
-        of it failed) takes the lake's last version again. Its changes are
-        dropped (pending, the unclosed mark) and its version forgotten, and
-        its directory's listing made stale, so the next lookup or stat lists
-        it again: the lake's object replaces the entry, or, where there is
-        none, the entry goes (the kernel is told either way)."""
+        of it failed) gives its name back to the lake's last version. Its
+        entry goes, without a tombstone, and the inode stays as an orphan
+        until the kernel forgets it (as after an unlink); its directory's
+        listing is made stale, so the next lookup lists it again and finds
+        the lake's object under the name, as a new inode, or nothing."""
         with self._write() as txn:
             txn.delete(u64(ino), db=self.unclosed_db)
             raw = txn.get(u64(ino), db=self.inodes)
             if not raw:
                 return None
             inode = Inode.decode(raw)
-            inode.pending, inode.etag, inode.attrs_known = 0, "", False
+            entry = self._entry_of(txn, inode)
+            if entry is not None:
+                self._remove(txn, inode.parent, entry[0], entry[1], tomb=False)
+                inode = Inode.decode(txn.get(u64(ino), db=self.inodes) or raw)
+            inode.pending = 0
             self._put(txn, inode)
             parent_raw = txn.get(u64(inode.parent), db=self.inodes)
             if parent_raw:

@@ -142,6 +142,7 @@ class Files:
             # application goes on. (A dup of this descriptor that writes on
             # after this close writes to the lake's version.)
             self.set_aside(ino, self.inodes.write_failed.pop(ino))
+            handle.set_aside = True
             if lost:
                 raise FsError(errno.EIO)  # close() says the file did not make it
         elif handle.writable:
@@ -231,7 +232,7 @@ class Files:
                       "disk for the lake: nothing of it is kept", inode.key, why)
             self.local.remove(ino)
         elif self.local.has(ino):
-            self.recovery.set_aside(ino, inode.key, why)
+            self.recovery.set_aside(ino, inode.key, f"a write failed: {why}")
         self.meta.revert(ino)
         self.promoter.forget(ino)
         if self.on_changes is not None:  # its name, attributes and pages: asked anew

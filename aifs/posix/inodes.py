@@ -45,6 +45,9 @@ class OpenFile:
     #: served by the daemon, its file may get a local copy to go direct as it
     #: closes (posix.admissions)
     admit: bool = False
+    #: its file was set aside at this handle's close (a write failed): a dup
+    #: of the descriptor that writes on gets EIO, not the lake's version
+    set_aside: bool = False
 
 
 class Attributes(NamedTuple):

@@ -203,6 +203,7 @@ class Namespace:
         object of its own with the same bytes (a server-side copy) and the
         group's id in its metadata (see objattrs)."""
         inodes = self.inodes
+        await self.writes.before_change(ino)  # (a spilled file's upload completes first)
         inode = inodes.get(ino)
         if inode.is_dir:
             raise FsError(errno.EPERM)
@@ -215,7 +216,6 @@ class Namespace:
             await self.writes.make_local(ino)  # names of a packed file become objects
             if not inodes.writers.get(ino):
                 inodes.forget_written(ino)
-        await self.writes.before_change(ino)  # (a spilled file's upload completes first)
         inodes.save_written(ino)
         self.promoter.streams.cancel(ino, "linked")
         inodes.changed(ino)
@@ -226,7 +226,7 @@ class Namespace:
         inodes.schedule(ino)
         return inodes.with_written(linked)
 
-    async def _spilled_uploads_first(self, source: Inode) -> None:
+    async def _spilled_uploads_first(self, source: Inode) -> bool:
         """A file that is moved, or every file under a moved directory, whose
         first bytes are only in its streamed upload (flush.stream, spilling)
         has that upload complete under its old key first (or the move is
@@ -236,9 +236,10 @@ class Namespace:
             inos = [ino for ino in list(spilled) if (inode := self.meta.get(ino)) is not None
                     and self.inodes.is_under(inode, source.ino)]
         else:
-            inos = [source.ino]
+            inos = [source.ino] if source.ino in spilled else []
         for ino in inos:
             await self.writes.before_change(ino)
+        return bool(inos)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int,
                      new_name: bytes, flags: int) -> None:
@@ -249,6 +250,10 @@ class Namespace:
         source = self.meta.lookup(old_parent, old_name)
         if source is None:
             raise FsError(errno.ENOENT)
+        if await self._spilled_uploads_first(source):  # (a wait: the names are looked at after)
+            source = self.meta.lookup(old_parent, old_name)
+            if source is None:
+                raise FsError(errno.ENOENT)
         if len(new_name) > 255:
             raise FsError(errno.ENAMETOOLONG)
         if new_parent == ROOT_INO and new_name == RESERVED_PREFIX.encode():
@@ -273,7 +278,6 @@ class Namespace:
             raise FsError(errno.EINVAL)  # into its own subtree
         if source.is_dir:  # its packed files below, in directories never listed too
             await self.packer.journals.ensure_complete()
-        await self._spilled_uploads_first(source)
         inodes.save_written(source.ino)
         source = inodes.get(source.ino)
         new_key = target_dir.key + name_of(new_name) + ("/" if source.is_dir else "")

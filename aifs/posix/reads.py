@@ -128,7 +128,12 @@ class Reads:
                 start = max(handle.advised, offset + size)
                 read_ahead([(fd, start, end - start)])
                 handle.advised = end
-            return await read_at(fd, offset, size, self.inodes.disk)
+            data = await read_at(fd, offset, size, self.inodes.disk)
+            if offset < self.promoter.streams.spilled.get(handle.ino, 0):
+                # its parts left the copy while it was read: the holes it read are no data
+                await self._spilled(handle.ino)
+                return await self._read(handle, offset, size)
+            return data
         version = handle.version
         if version.source:  # packed: small, read and verified whole once
             if handle.data is None:

@@ -108,11 +108,11 @@ class Recovery:
         return target
 
     def set_aside(self, ino: int, key: str, why: str) -> None:
-        """While mounted: the copy of ``ino`` (a file whose write failed, at
-        its last close) moved into the recovery directory, which is then
-        trimmed to its cap (a copy larger than the cap is dropped at once,
-        not kept at the cost of everything kept before it); its disk space is
-        the cache's no longer."""
+        """The copy of ``ino``, a file not to be published (``why``: a write
+        of it failed, or the node went down while it was written), moved into
+        the recovery directory, which is then trimmed to its cap. A copy
+        larger than the cap is dropped at once, not kept at the cost of
+        everything kept before it. Its disk space is the cache's no longer."""
         try:
             size = os.stat(self.local.path(ino)).st_blocks * 512
         except OSError:
@@ -122,13 +122,14 @@ class Recovery:
             if size > cap:
                 raise OSError(f"{size} bytes, more than the {cap} it keeps at most "
                               "(recovered_max, and a tenth of the cache disk)")
+            # under its key; by inode number where no path here can hold the key
             target = self._keep(ino, list(dict.fromkeys((key or str(ino), str(ino)))))
         except OSError as exc:
-            log.error("%s is not published (a write failed: %s), and cannot be kept in %s "
-                      "(%s): its bytes are dropped", key, why, self.recovered_dir, exc)
+            log.error("%s is not published (%s), and cannot be kept in %s (%s): its bytes "
+                      "are dropped", key, why, self.recovered_dir, exc)
         else:
-            log.warning("%s is not published (a write failed: %s); the bytes written are "
-                        "in %s", key, why, target)
+            log.warning("%s is not published (%s); the bytes written are in %s", key, why,
+                        target)
         self.local.remove(ino)
         self.trim()
 
@@ -138,6 +139,8 @@ class Recovery:
         try:
             st = os.statvfs(self.local.root)
         except OSError:
+            return self.keep_max
+        if not st.f_blocks:  # (ramfs: no size)
             return self.keep_max
         return min(self.keep_max, st.f_blocks * st.f_frsize // RECOVERED_SHARE)
 
@@ -201,10 +204,8 @@ class Recovery:
         for ino in self.meta.unclosed():
             inode = self.meta.get(ino)
             if inode is not None and self.local.has(ino) and not inode.orphan:
-                # under its key; by inode number where no path here can hold the key
-                target = self._keep(ino, list(dict.fromkeys((inode.key or str(ino), str(ino)))))
-                log.warning("%s was open for writing when the node went down: not "
-                            "published; the bytes written are in %s", inode.key, target)
+                self.set_aside(ino, inode.key, "it was open for writing when the node "
+                                               "went down")
             self.local.remove(ino)
             self.meta.unpublish(ino)
         self.trim()

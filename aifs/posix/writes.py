@@ -70,6 +70,8 @@ class Writes:
         handle = inodes.files.get(fh)
         if handle is None or not handle.writable:
             raise FsError(errno.EBADF)
+        if handle.set_aside:
+            raise FsError(errno.EIO)  # (see OpenFile.set_aside)
         ino = handle.ino
         if handle.kill_setid:
             handle.kill_setid = False
@@ -80,7 +82,7 @@ class Writes:
             size, _ = await self.make_local(ino)
             if end > size:
                 await self.reserve(end - size)
-            written = await self._pwrite(self.local.fd(ino), data, offset)
+            written = await self._pwrite(ino, data, offset)
         except FsError as exc:
             inodes.mark_unclosed(ino)
             inodes.write_failed[ino] = os.strerror(exc.errno)
@@ -158,7 +160,7 @@ class Writes:
             self.meta.update(ino, mode=mode, pending=inode.pending | META,
                              ctime=self.inodes.clock())
 
-    async def _pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+    async def _pwrite(self, ino: int, data: bytes | memoryview, offset: int) -> int:
         """Write to a local copy, inline: a write into the page cache takes
         microseconds, less than handing it to a thread and back. A disk that
         fills during the write (all of it refused, or the rest after a short
@@ -168,8 +170,10 @@ class Writes:
         done = 0
         freed = False
         while done < len(view):
-            try:
-                done += os.pwrite(fd, view[done:], offset + done)
+            if not self.local.has(ino):  # set aside while this write waited for room
+                raise FsError(errno.EIO)
+            try:  # (the descriptor asked each time: a wait may have closed the last)
+                done += os.pwrite(self.local.fd(ino), view[done:], offset + done)
                 continue  # (a short write: the disk filled; the next one says so)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
@@ -204,13 +208,14 @@ class Writes:
             while self._disk_free() < wanted:
                 if streams.spill(amount):
                     continue
+                hurried = self.promoter.hurry()  # (dirty copies become clean, evictable)
                 if streams.busy():  # parts on their way, or an abandoned stream's copy
                     await streams.wait_progress(1.0)
-                elif self.promoter.hurry():
+                elif hurried:
                     await self.promoter.wait_progress()
-                    self.local.evict(amount)
                 else:
                     break
+                self.local.evict(amount)
 
     async def make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).
@@ -327,14 +332,16 @@ class Writes:
             st = os.statvfs(self.local.root)
         except OSError:
             return 0
-        return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize if st.f_blocks else 1 << 62  # (ramfs: no size)
 
     def room_for_blocks(self, incoming: int) -> None:
         """A fetched block needs room: old checkpoints' local copies go before
         any block, other clean copies only where blocks cannot free enough."""
         over = self.cache.used + self.local.used + incoming - self.config.cache_size
-        if over <= 0:
-            return
-        over -= self.local.evict(over, up_to_rank=EVICT_FIRST)
-        if over > self.cache.used:
-            self.local.evict(over - self.cache.used)
+        if over > 0:
+            over -= self.local.evict(over, up_to_rank=EVICT_FIRST)
+            if over > self.cache.used:
+                self.local.evict(over - self.cache.used)
+        short = incoming - self._disk_free()  # a disk smaller than cache_size
+        if short > 0:  # (blocks make room for blocks themselves: BlockCache.store)
+            self.local.evict(short)

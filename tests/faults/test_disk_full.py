@@ -168,8 +168,14 @@ def test_files_larger_than_the_cache_disk_go_through_it_to_the_lake(lake, short_
     assert result.returncode == 0, result.stderr
     written.update({f"g{i}.bin": _write_chunks(root / f"g{i}.bin", 20 * MiB, 100 + i)
                     for i in range(5)})
+    assert aifs_cli("sync", str(root), "--quiet").returncode == 0
+    logged = len(mount.log_text())
     with open(root / "big.bin", "rb") as fp:
         assert xxhash.xxh3_128(fp.read()).hexdigest() == written["big.bin"]
+    # Read from the lake into a cache that makes room on the real disk (clean
+    # copies and older blocks go), not only under cache_size (20 GiB by
+    # default here: far beyond this disk).
+    assert "cannot cache block" not in mount.log_text()[logged:]
     mount.unmount()
     for name, digest in written.items():
         assert xxhash.xxh3_128(lake.get(name)).hexdigest() == digest, name
