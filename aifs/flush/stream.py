@@ -72,6 +72,7 @@ class Front:
     def __init__(self, end: int = 0) -> None:
         self.end = end
         self.ahead: dict[int, int] = {}  # start -> end of writes past a gap
+        self.waited = False  # (a candidate: said once that it waits for a stream slot)
 
     def wrote(self, offset: int, length: int) -> bool:
         """Count a write; False if it leaves a gap too far ahead to be a
@@ -214,9 +215,16 @@ class Streams:
         if not front.wrote(offset, length):
             del self._candidates[ino]  # a hole: not a front-to-back writer
             return
-        if front.end < self.threshold or len(self._streams) >= MAX_STREAMS:
-            # (past the threshold: it starts at a later write, once a stream
-            # ends, from the front, as long as it is still written in order)
+        if front.end < self.threshold:
+            return
+        if len(self._streams) >= MAX_STREAMS:
+            # It starts at a later write, once a stream ends, from the front,
+            # as long as it is still written in order.
+            if not front.waited:
+                front.waited = True
+                where = target(ino)
+                log.debug("%s waits to stream: %d files stream already",
+                          where[0] if where else ino, len(self._streams))
             return
         del self._candidates[ino]
         where = target(ino)

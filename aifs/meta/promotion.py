@@ -211,37 +211,14 @@ class PromotionMixin(BatchesMixin):
         with self.env.begin() as txn:
             return [U64.unpack(k)[0] for k, _ in txn.cursor(db=self.unclosed_db)]
 
-    def revert(self, ino: int) -> Inode | None:
-        """While mounted: a file whose writes must not reach the lake (a write
-        of it failed) gives its name back to the lake's last version. Its
-        entry goes, without a tombstone, and the inode stays as an orphan
-        until the kernel forgets it (as after an unlink); its directory's
-        listing is made stale, so the next lookup lists it again and finds
-        the lake's object under the name, as a new inode, or nothing."""
-        with self._write() as txn:
-            txn.delete(u64(ino), db=self.unclosed_db)
-            raw = txn.get(u64(ino), db=self.inodes)
-            if not raw:
-                return None
-            inode = Inode.decode(raw)
-            entry = self._entry_of(txn, inode)
-            if entry is not None:
-                self._remove(txn, inode.parent, entry[0], entry[1], tomb=False)
-                inode = Inode.decode(txn.get(u64(ino), db=self.inodes) or raw)
-            inode.pending = 0
-            self._put(txn, inode)
-            parent_raw = txn.get(u64(inode.parent), db=self.inodes)
-            if parent_raw:
-                parent = Inode.decode(parent_raw)
-                if parent.listed_at:  # (a value that is no time: listed long ago)
-                    parent.listed_at = 1.0
-                    txn.put(u64(parent.ino), parent.encode(), db=self.inodes)
-        return inode
-
-    def unpublish(self, ino: int) -> Inode | None:
-        """Forget a file whose writes must not reach the lake (it was open for
-        writing at a crash): its entry goes, without a tombstone, and its
-        directory is listed again, so the lake's last version (if any) shows."""
+    def unpublish(self, ino: int, mounted: bool = False) -> Inode | None:
+        """Forget a file whose writes must not reach the lake: it was open for
+        writing at a crash, or (``mounted``) a write of it failed. Its entry
+        goes, without a tombstone, and its directory's listing is made stale,
+        so the next lookup lists it again and finds the lake's last version
+        under the name, as a new inode, or nothing. At mount its records go;
+        while mounted the inode stays as an orphan until the kernel forgets it
+        (as after an unlink)."""
         with self._write() as txn:
             txn.delete(u64(ino), db=self.unclosed_db)
             raw = txn.get(u64(ino), db=self.inodes)
@@ -254,7 +231,13 @@ class PromotionMixin(BatchesMixin):
             parent_raw = txn.get(u64(inode.parent), db=self.inodes)
             if parent_raw:
                 parent = Inode.decode(parent_raw)
-                parent.listed_at = 0.0
+                # (a value that is no time: listed long ago, where it was listed)
+                parent.listed_at = 1.0 if parent.listed_at else 0.0
                 txn.put(u64(parent.ino), parent.encode(), db=self.inodes)
-            self._delete_tree(txn, ino)  # (its upload records stay: aborted at start)
+            if mounted:
+                inode = Inode.decode(txn.get(u64(ino), db=self.inodes) or raw)
+                inode.pending = 0
+                self._put(txn, inode)
+            else:
+                self._delete_tree(txn, ino)  # (its upload records stay: aborted at start)
         return inode

@@ -233,7 +233,7 @@ class Files:
             self.local.remove(ino)
         elif self.local.has(ino):
             self.recovery.set_aside(ino, inode.key, f"a write failed: {why}")
-        self.meta.revert(ino)
+        self.meta.unpublish(ino, mounted=True)
         self.promoter.forget(ino)
         if self.on_changes is not None:  # its name, attributes and pages: asked anew
             self.on_changes(inode.parent, [key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])],

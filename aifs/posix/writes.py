@@ -168,37 +168,37 @@ class Writes:
         written: a short count or ENOSPC only if no room can be made."""
         view = memoryview(data)
         done = 0
-        freed = False
+        stuck = 0  # room made, and still nothing written (no inodes left, a quota)
         while done < len(view):
             if not self.local.has(ino):  # set aside while this write waited for room
                 raise FsError(errno.EIO)
             try:  # (the descriptor asked each time: a wait may have closed the last)
                 done += os.pwrite(self.local.fd(ino), view[done:], offset + done)
+                stuck = 0
                 continue  # (a short write: the disk filled; the next one says so)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise FsError(exc.errno or errno.EIO) from None
-            if freed:
+            stuck += 1
+            if stuck > 3 or not await self._free_disk(len(view) - done):
                 if done:
                     return done  # what fitted, as a local disk answers
                 log.error("local cache disk full: a write is refused (ENOSPC); what is "
                           "not in the lake yet fills it")
                 raise FsError(errno.ENOSPC)
-            await self._free_disk(len(view) - done)
-            freed = True
         return done
 
-    async def _free_disk(self, wanted: int) -> None:
+    async def _free_disk(self, wanted: int) -> bool:
         """The cache disk is full (another tenant filled it, sparse copies
         grew behind the accounting, or files stream through a short disk):
         the parts of streaming files the lake has leave their copies, clean
         blocks and clean local copies are evicted, and promotion makes dirty
-        copies clean, until ``wanted`` bytes are free or for at most
+        copies clean, until ``wanted`` bytes are free (True) or for at most
         DISK_FULL_WAIT seconds. The mount goes on by itself once space returns."""
         streams = self.promoter.streams
         amount = max(wanted, DISK_FULL_EVICT)
         if streams.spill(amount) and self._disk_free() >= wanted:
-            return  # (the common case on a short disk: no log line)
+            return True  # (the common case on a short disk: no log line)
         self.inodes.counters.disk_full += 1
         log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
                     "promotion", DISK_FULL_WAIT)
@@ -216,6 +216,7 @@ class Writes:
                 else:
                     break
                 self.local.evict(amount)
+        return self._disk_free() >= wanted
 
     async def make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).
