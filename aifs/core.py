@@ -74,8 +74,7 @@ class Filesystem:
                                                    inodes.uid, inodes.gid)
         self.packer = self.promoter.packer
         self.compactor = Compactor(self.packer, store, meta, config)
-        self.reads = Reads(inodes, config, self.fetcher, self.packer, self.checkpoints,
-                           self.promoter)
+        self.reads = Reads(inodes, config, self.fetcher, self.promoter, self.checkpoints)
         self.hosting.attach(self.promoter, self.reads)
         self.object_attrs = ObjectAttributes(meta, store, config)
         self.dir_prefetch = DirectoryPrefetch(
@@ -103,6 +102,7 @@ class Filesystem:
                            self.checkpoints, self.recovery, self.dir_prefetch, self.object_attrs)
         local.in_use = inodes.is_open
         cache.others = lambda: local.used
+        cache.disk_free = local.disk_free
         self.fetcher.make_room = self.writes.room_for_blocks
         self.metrics = Metrics(self.figures)
 
@@ -267,7 +267,7 @@ class Filesystem:
 
     def on_lake_changes(self, callback: Changes | None) -> None:  # see Listings.on_changes
         self.listings.on_changes = callback
-        self.open_files.on_changes = callback  # (a file set aside: Files._set_aside)
+        self.open_files.on_changes = callback  # (a file set aside: Files.set_aside)
 
     # -- promotion (posix.hosting; it yields to requests: flush.pacing) ------------------
     async def sync(self, ino: int) -> None:

@@ -89,6 +89,8 @@ class BlockCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.others = others  # bytes of the same capacity used outside blocks
+        #: free bytes on the disk (LocalFiles.disk_free, set by the core)
+        self.disk_free: Callable[[], int] = lambda: 1 << 62
         self._lock = threading.Lock()
         # relative path -> bytes, per class, least recently used first
         self._lru: dict[str, OrderedDict[str, int]] = {c: OrderedDict() for c in CLASSES}
@@ -299,7 +301,7 @@ class BlockCache:
         blocks stored by several threads together cannot overshoot); False if
         they cannot fit without evicting what ``cls`` may not evict."""
         while True:
-            short = incoming + self._landing - self._disk_free()
+            short = incoming + self._landing - self.disk_free()
             with self._lock:
                 # (the disk may be smaller than the capacity: both must hold it)
                 if self.used + incoming + self.others() <= self.capacity and (
@@ -315,13 +317,6 @@ class BlockCache:
                     return False
             self._forget(rel)
             self.evictions += 1
-
-    def _disk_free(self) -> int:
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return 1 << 62
-        return st.f_bavail * st.f_frsize if st.f_blocks else 1 << 62  # (ramfs: no size)
 
     def evict(self, wanted: int) -> int:
         """Drop blocks until ``wanted`` bytes are freed: regular ones (least

@@ -32,6 +32,10 @@ _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # FALLOC_FL_*
 
+ROOM_PLENTY = 4 << 30  # free disk bytes a reading may be used again with ...
+ROOM_FRESH = 0.1  # ... for this many seconds
+UNLIMITED = 1 << 62  # the free bytes of a disk of no size (ramfs)
+
 EVICT_FIRST = 0
 EVICT_LRU = 1
 EVICT_LAST = 2
@@ -56,6 +60,7 @@ class LocalFiles:
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
         self._punched: dict[int, int] = {}  # ino -> bytes of its size given back (punch)
+        self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
         self._clean: OrderedDict[int, None] = OrderedDict()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._rank: dict[int, int] = {}  # ino -> EVICT_FIRST or EVICT_LAST (else LRU)
@@ -106,6 +111,29 @@ class LocalFiles:
             if ino in self._sizes:
                 self._punched[ino] = self._punched.get(ino, 0) + length
                 self.used -= length
+
+    def disk_free(self) -> int:
+        """Free bytes on the cache disk. A reading of plenty (at least
+        :data:`ROOM_PLENTY`) is used again for :data:`ROOM_FRESH` seconds: no
+        writer fills that much in that time, and a burst of writes or
+        creates asks ``statvfs`` once. A disk of no size (ramfs) is unlimited."""
+        now = time.monotonic()
+        taken, free = self._free
+        if now - taken < ROOM_FRESH and free >= ROOM_PLENTY:
+            return free
+        size, free = self.disk_space()
+        self._free = (now, free)
+        return free
+
+    def disk_space(self) -> tuple[int, int]:
+        """(size, free bytes) of the cache disk, read now."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return 0, 0
+        if not st.f_blocks:  # (ramfs: no size)
+            return UNLIMITED, UNLIMITED
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def resized(self, ino: int, size: int) -> None:
         if self._sizes.get(ino) != size:

@@ -91,22 +91,23 @@ class Front:
                 self.end = max(self.end, self.ahead.pop(start))
         return True
 
-    def whole(self) -> bool:
-        """No gap left behind the front."""
-        return not self.ahead
+    def close(self, size: int) -> None:
+        """The file ends at ``size`` (at least :attr:`end`): a gap never
+        filled past the front is a hole of the copy, read as zeros."""
+        self.end = size
+        self.ahead.clear()
 
 
 class Stream:
     """The upload of one file that is still being written."""
 
     def __init__(self, ino: int, key: str, path: str, metadata: dict[str, str],
-                 written: int) -> None:
+                 front: Front) -> None:
         self.ino = ino
         self.key = key
         self.path = path
         self.metadata = metadata
-        self.front = Front(written)
-        self.end = written  # contiguous bytes written from offset 0 (front.end)
+        self.front = front  # how far it is written, from offset 0
         self.handed = 0  # bytes handed to part uploads: no write may go below
         self.sent = 0  # bytes of parts the lake acknowledged
         self.sealed: int | None = None  # final size, once the last writer closed
@@ -125,6 +126,11 @@ class Stream:
         self.acked: list[tuple[int, int]] = []  # parts the lake has, still on the disk
         self.spilled = 0  # bytes that left the disk: only in the upload's parts
 
+    @property
+    def end(self) -> int:
+        """Contiguous bytes written from offset 0."""
+        return self.front.end
+
     def _wake(self) -> None:
         self._data.set()
 
@@ -134,16 +140,14 @@ class Stream:
         elif offset < self.handed or not self.front.wrote(offset, length):
             self.break_("not written front to back")
         else:
-            self.end = self.front.end
             self._wake()
 
 
     def seal(self, size: int, version: int) -> None:
         if size < self.end:
             self.break_("size changed")
-        else:  # (a gap never filled past the front is a hole of the copy: zeros)
-            self.end = self.front.end = size
-            self.front.ahead.clear()
+        else:
+            self.front.close(size)
         self.sealed, self.version = size, version
         self._wake()
 
@@ -231,8 +235,7 @@ class Streams:
         if where is None:
             return
         key, path, metadata = where
-        stream = self._streams[ino] = Stream(ino, key, path, metadata, front.end)
-        stream.front = front
+        stream = self._streams[ino] = Stream(ino, key, path, metadata, front)
         stream.followed = ino in self._followed
         self.started += 1
         assert self._nursery is not None
@@ -288,6 +291,8 @@ class Streams:
             return 0
         for stream in list(self._streams.values()):
             if stream.broken or stream.followed or stream.completing:
+                continue
+            if not stream.acked or freed >= wanted:
                 continue
             current = self.meta.get(stream.ino)
             if current is None or current.orphan or current.key != stream.key:

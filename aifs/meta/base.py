@@ -228,7 +228,7 @@ class StoreBase:
 
     def _entry_of(self, txn: Txn, inode: Inode) -> tuple[bytes, bytes] | None:
         """(name, dentry value) of ``inode`` in its parent, found by its key."""
-        name = key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])
+        name = inode.name
         value = txn.get(u64(inode.parent) + name, db=self.dentries)
         if value is None or U64X2.unpack(value[:16])[0] != inode.ino:
             return None

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from json.encoder import encode_basestring_ascii as _json_string
 from typing import Any, NamedTuple
 
-from aifs.meta.schema import compact_json, stored_json
+from aifs.meta.schema import compact_json, key_bytes, stored_json
 
 ROOT_INO = 1
 FILE = "file"
@@ -169,6 +169,11 @@ class Inode:
         if self.orphan:
             return 0
         return max(1 + len(self.links), self.nlink_hint)
+
+    @property
+    def name(self) -> bytes:
+        """The name in its directory: the last part of its key."""
+        return key_bytes(self.key.rstrip("/").rsplit("/", 1)[-1])
 
     def keys(self) -> list[str]:
         """Every lake key of the inode's names, the primary first."""

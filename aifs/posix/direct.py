@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import trio
@@ -39,8 +38,6 @@ from aifs.posix.writes import Writes
 log = logging.getLogger(__name__)
 
 DIRECT_WRITE_ROOM = 1 << 30  # free bytes (disk and cache budget) a direct writer needs
-ROOM_PLENTY = 4 * DIRECT_WRITE_ROOM  # free disk bytes a reading may be used again with ...
-ROOM_FRESH = 0.1  # ... for this many seconds
 FOLLOW_INTERVAL = 0.05  # seconds between looks at a direct writer's streamed file
 
 
@@ -66,8 +63,7 @@ class Direct:
         self.streams = writes.promoter.streams
         self.pacer = writes.promoter.pacer
         self._writing = trio.Event()  # set when a direct writer opens
-        self.admissions = Admissions(inodes, config, meta, reads, writes, self._disk_free)
-        self._free: tuple[float, int] = (-ROOM_FRESH, 0)  # (when, free disk bytes) read
+        self.admissions = Admissions(inodes, config, meta, reads, writes, self.local.disk_free)
 
     async def backing(self, fh: int, inode_is_direct: bool, pid: int = 0) -> int | None:
         """The local copy's fd if handle ``fh`` may go direct, else None.
@@ -124,24 +120,7 @@ class Direct:
         if kill_setid:
             return False
         budget = self.config.cache_size - self.writes.cache.used - self.local.used
-        return min(budget, self._disk_free()) >= DIRECT_WRITE_ROOM
-
-    def _disk_free(self) -> int:
-        """Free bytes on the cache disk; a reading of plenty (at least
-        :data:`ROOM_PLENTY`) is used again for :data:`ROOM_FRESH` seconds: no
-        writer fills that much in that time, and a burst of creates asked
-        ``statvfs`` once each."""
-        now = time.monotonic()
-        taken, free = self._free
-        if now - taken < ROOM_FRESH and free >= ROOM_PLENTY:
-            return free
-        try:
-            st = os.statvfs(self.local.root)
-        except OSError:
-            return 0
-        free = st.f_bavail * st.f_frsize
-        self._free = (now, free)
-        return free
+        return min(budget, self.local.disk_free()) >= DIRECT_WRITE_ROOM
 
     def _stat(self, ino: int) -> tuple[int, int]:
         st = os.fstat(self.local.fd(ino))

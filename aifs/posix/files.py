@@ -20,7 +20,6 @@ from aifs.errors import FsError
 from aifs.flush.promoter import Promoter
 from aifs.flush.stream import StreamTarget
 from aifs.meta.objattrs import to_metadata as object_metadata
-from aifs.meta.schema import key_bytes
 from aifs.meta.store import Inode, MetaStore
 from aifs.policy import WEIGHTS
 from aifs.posix.inodes import Inodes, OpenFile
@@ -236,5 +235,4 @@ class Files:
         self.meta.unpublish(ino, mounted=True)
         self.promoter.forget(ino)
         if self.on_changes is not None:  # its name, attributes and pages: asked anew
-            self.on_changes(inode.parent, [key_bytes(inode.key.rstrip("/").rsplit("/", 1)[-1])],
-                            [ino])
+            self.on_changes(inode.parent, [inode.name], [ino])

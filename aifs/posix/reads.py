@@ -21,7 +21,6 @@ from aifs.errors import FsError
 from aifs.flush.promoter import Promoter
 from aifs.meta.store import Inode
 from aifs.pack.index import pack_key
-from aifs.pack.packer import Packer
 from aifs.policy import DATASET
 from aifs.posix.inodes import Inodes, OpenFile
 from aifs.read.fetcher import BlockFetcher, read_ahead, read_at, verify
@@ -34,12 +33,12 @@ SCAN_WINDOW = 10.0
 
 class Reads:
     def __init__(self, inodes: Inodes, config: Config, fetcher: BlockFetcher,
-                 packer: Packer, checkpoints: Checkpoints, promoter: Promoter) -> None:
+                 promoter: Promoter, checkpoints: Checkpoints) -> None:
         self.inodes = inodes
         self.promoter = promoter
         self.local = inodes.local
         self.fetcher = fetcher
-        self.packs = packer.index
+        self.packs = promoter.packer.index
         self.checkpoints = checkpoints
         self.block_size = config.block_size
         self._pack_opens: dict[str, tuple[int, float]] = {}  # pack -> (opens, first)

@@ -136,13 +136,8 @@ class Recovery:
     def cap(self) -> int:
         """Bytes the recovery directory may hold: ``keep_max``, and at most
         a tenth of the disk it is on (it must not fill what the cache needs)."""
-        try:
-            st = os.statvfs(self.local.root)
-        except OSError:
-            return self.keep_max
-        if not st.f_blocks:  # (ramfs: no size)
-            return self.keep_max
-        return min(self.keep_max, st.f_blocks * st.f_frsize // RECOVERED_SHARE)
+        size, _ = self.local.disk_space()
+        return min(self.keep_max, size // RECOVERED_SHARE) if size else self.keep_max
 
     def trim(self) -> None:
         """Drop the oldest kept files until the directory fits :meth:`cap`."""

@@ -16,6 +16,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +198,7 @@ class Writes:
         DISK_FULL_WAIT seconds. The mount goes on by itself once space returns."""
         streams = self.promoter.streams
         amount = max(wanted, DISK_FULL_EVICT)
-        if streams.spill(amount) and self._disk_free() >= wanted:
+        if streams.spill(amount) and self.local.disk_free() >= wanted:
             return True  # (the common case on a short disk: no log line)
         self.inodes.counters.disk_full += 1
         log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
@@ -205,18 +206,8 @@ class Writes:
         await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
         self.local.evict(amount)
         with trio.move_on_after(DISK_FULL_WAIT):
-            while self._disk_free() < wanted:
-                if streams.spill(amount):
-                    continue
-                hurried = self.promoter.hurry()  # (dirty copies become clean, evictable)
-                if streams.busy():  # parts on their way, or an abandoned stream's copy
-                    await streams.wait_progress(1.0)
-                elif hurried:
-                    await self.promoter.wait_progress()
-                else:
-                    break
-                self.local.evict(amount)
-        return self._disk_free() >= wanted
+            await self._wait_for_room(lambda: wanted - self.local.disk_free())
+        return self.local.disk_free() >= wanted
 
     async def make_local(self, ino: int, needed: int | None = None) -> tuple[int, int]:
         """Make sure ``ino`` has a local copy marked dirty; return (size, mtime_ns).
@@ -306,34 +297,37 @@ class Writes:
 
     async def reserve(self, incoming: int) -> None:
         """Make room in the cache for ``incoming`` bytes of local data: evict
-        clean blocks, then clean local copies, then wait for promotion."""
+        clean blocks, then clean local copies, then wait for room (streamed
+        parts leaving, promotion)."""
         streams = self.promoter.streams
         def over() -> int:
             return self.cache.used + self.local.used + incoming - self.config.cache_size
-        if streams.spillable() and self._disk_free() < SPILL_BELOW:
+        if streams.spillable() and self.local.disk_free() < SPILL_BELOW:
             streams.spill(SPILL_BELOW)  # the disk runs short: uploaded parts leave first
         if over() <= 0:
             return
         await trio.to_thread.run_sync(self.cache.evict, over(), limiter=self.inodes.disk)
         if over() > 0:
             self.local.evict(over())
-        while over() > 0 and (streams.spill(over()) or streams.spillable()
-                              or self.promoter.hurry()):
-            if over() <= 0:
-                break
-            if streams.spillable():
-                await streams.wait_progress(1.0)
-            else:
-                await self.promoter.wait_progress()
-            self.local.evict(max(0, over()))
+        await self._wait_for_room(over)
 
-    def _disk_free(self) -> int:
-        """Free bytes on the cache disk (one statvfs)."""
-        try:
-            st = os.statvfs(self.local.root)
-        except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize if st.f_blocks else 1 << 62  # (ramfs: no size)
+    async def _wait_for_room(self, short: Callable[[], int]) -> None:
+        """While ``short()`` bytes are missing: the parts of streaming files
+        the lake has leave their copies; else wait for more parts to land, an
+        abandoned stream to end or promotion to make dirty copies clean (and
+        evict them). Returns when nothing more can come."""
+        streams = self.promoter.streams
+        while (missing := short()) > 0:
+            if streams.spill(missing):
+                continue
+            hurried = self.promoter.hurry()
+            if streams.busy():
+                await streams.wait_progress(1.0)
+            elif hurried:
+                await self.promoter.wait_progress()
+            else:
+                return
+            self.local.evict(max(0, short()))
 
     def room_for_blocks(self, incoming: int) -> None:
         """A fetched block needs room: old checkpoints' local copies go before
@@ -343,6 +337,6 @@ class Writes:
             over -= self.local.evict(over, up_to_rank=EVICT_FIRST)
             if over > self.cache.used:
                 self.local.evict(over - self.cache.used)
-        short = incoming - self._disk_free()  # a disk smaller than cache_size
+        short = incoming - self.local.disk_free()  # a disk smaller than cache_size
         if short > 0:  # (blocks make room for blocks themselves: BlockCache.store)
             self.local.evict(short)

@@ -51,7 +51,7 @@ def test_a_front_to_back_writer_may_land_a_little_out_of_order():
 
     front = Front()
     assert front.wrote(0, 100)
-    assert front.wrote(200, 100) and front.end == 100 and not front.whole()
-    assert front.wrote(100, 100) and front.end == 300 and front.whole()
+    assert front.wrote(200, 100) and front.end == 100 and front.ahead
+    assert front.wrote(100, 100) and front.end == 300 and not front.ahead
     assert front.wrote(150, 10) and front.end == 300  # a rewrite below the front
     assert not front.wrote(300 + AHEAD + 1, 1)  # a hole: sparse, not front to back
