@@ -2,7 +2,10 @@
 
 Key ``a/b/c`` is the file ``ROOT/a/b/c``; key ``a/`` (a directory marker) is
 the directory ``ROOT/a``. ROOT is reached through a descriptor held open
-(``/proc/self/fd/N``): a key may be nearly PATH_MAX long wherever ROOT is.
+(``/proc/self/fd/N``), so where it lies does not shorten keys; a key longer
+than a path may be is reached through descriptors of directories on its way,
+opened for the one call (:meth:`LocalStore._reach`), so keys are as long as a
+local filesystem's paths (``MAX_KEY``), PATH_MAX and beyond.
 Writes go to a temporary file renamed into place, so a reader never sees a
 partial object and a replaced object gets a new ETag (derived from inode,
 mtime and size). User metadata lives in ``user.`` xattrs.
@@ -35,6 +38,15 @@ from aifs.errors import (
     PreconditionFailed,
 )
 from aifs.lake.base import ListPage, ObjectInfo, ObjectStore
+from aifs.lake.localfiles import (
+    ASSEMBLY,
+    MAX_KEY,
+    copy_pieces,
+    piece,
+    reach,
+    tiles,
+    write_all,
+)
 
 T = TypeVar("T")
 STAGING = ".aifs-uploads"
@@ -42,50 +54,6 @@ TMP_PREFIX = ".aifs-tmp-"
 META_XATTR = xattrs.LOCAL_META_PREFIX
 MARKER_XATTR = xattrs.LOCAL_MARKER
 PAGE = 1000
-ASSEMBLY = "object"  # in an upload's staging directory: parts sent with their offsets
-
-
-def _write_all(fd: int, data: bytes | memoryview, at: int) -> None:
-    view = memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, at)
-        view, at = view[done:], at + done
-
-
-def _piece(staging: str, places: dict[int, tuple[int, int]],
-           number: int) -> tuple[str, int, int]:
-    """Where part ``number`` is: ``(file, offset, length)`` in the staging directory."""
-    if number in places:
-        return ASSEMBLY, *places[number]
-    name = f"part-{number:05d}"  # (one never sent: FileNotFoundError, ObjectNotFound)
-    return name, 0, os.stat(os.path.join(staging, name)).st_size
-
-
-def _tiles(pieces: list[tuple[str, int, int]]) -> bool:
-    """The parts, in order, are the assembly file from its start without a gap."""
-    end = 0
-    for name, offset, length in pieces:
-        if name != ASSEMBLY or offset != end:
-            return False
-        end += length
-    return bool(pieces)
-
-
-def _copy_pieces(fd: int, staging: str, pieces: list[tuple[str, int, int]]) -> None:
-    at = 0
-    for name, offset, length in pieces:
-        src = os.open(os.path.join(staging, name), os.O_RDONLY)
-        try:
-            while length > 0:
-                chunk = os.pread(src, min(length, 1 << 22), offset)
-                if not chunk:
-                    raise LakeError(f"{name} of an upload is shorter than recorded")
-                _write_all(fd, chunk, at)
-                offset, length, at = offset + len(chunk), length - len(chunk), at + len(chunk)
-        finally:
-            os.close(src)
-
-
 def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
@@ -122,8 +90,10 @@ class LocalStore(ObjectStore):
             else:  # no /proc: paths from the root, and keys shorter by its length
                 os.close(fd)
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        # a path of the lake directory holds at most PATH_MAX - 1 bytes
-        self.max_key_bytes = 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
+        # without /proc (no descriptors to reach through) a path of the lake
+        # directory holds at most PATH_MAX - 1 bytes
+        self.max_key_bytes = MAX_KEY - len(self.prefix.encode()) if self._root_fd is not None \
+            else 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
         self.keys_nest = True
         self.description = f"file://{self.where}" + (f" (prefix {self.prefix})" if prefix
                                                       else "")
@@ -164,7 +134,8 @@ class LocalStore(ObjectStore):
             os.close(self._root_fd)
             self._root_fd = None
 
-    def _path(self, key: str) -> str:
+    def _parts(self, key: str) -> list[str]:
+        """The names on the way to ``key``'s file, checked (InvalidKey)."""
         full = self.prefix + key
         parts = full.rstrip("/").split("/") if full.rstrip("/") else []
         for part in parts:
@@ -172,7 +143,12 @@ class LocalStore(ObjectStore):
                 raise InvalidKey(f"key {key!r} cannot be stored in a local lake")
         if parts and parts[0] in (STAGING,) or any(p.startswith(TMP_PREFIX) for p in parts):
             raise InvalidKey(f"key {key!r} uses a name reserved by the local lake")
-        return os.path.join(self.root, *parts)
+        return parts
+
+    def _reach(self, key: str, make: bool = False) -> contextlib.AbstractContextManager[str]:
+        """The path of ``key``'s file or directory, good inside a ``with``
+        block (:func:`aifs.lake.localfiles.reach`). Called in a worker thread."""
+        return reach(self.root, self._parts(key), make)
 
     def _info(self, key: str, path: str, st: os.stat_result, with_meta: bool) -> ObjectInfo:
         meta: dict[str, str] = {}
@@ -243,21 +219,23 @@ class LocalStore(ObjectStore):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     async def head(self, key: str) -> ObjectInfo:
-        path = self._path(key)
+        self._parts(key)
 
         def do() -> ObjectInfo:
-            st = os.stat(path)
-            if key.endswith("/") != os.path.isdir(path):
-                raise FileNotFoundError(errno.ENOENT, "not found", path)
-            return self._info(key, path, st, True)
+            with self._reach(key) as path:
+                st = os.stat(path)
+                if key.endswith("/") != os.path.isdir(path):
+                    raise FileNotFoundError(errno.ENOENT, "not found", path)
+                return self._info(key, path, st, True)
         return await self._run(do)
 
     async def get_range(self, key: str, start: int, length: int,
                         if_match: str | None = None) -> bytes:
-        path = self._path(key)
+        self._parts(key)
 
         def do() -> bytes:
-            fd = os.open(path, os.O_RDONLY)
+            with self._reach(key) as path:
+                fd = os.open(path, os.O_RDONLY)
             try:
                 st = os.fstat(fd)
                 if if_match is not None and _etag(st) != if_match:
@@ -269,9 +247,13 @@ class LocalStore(ObjectStore):
 
     async def put(self, key: str, data: bytes,
                   metadata: dict[str, str] | None = None) -> ObjectInfo:
-        path = self._path(key)
+        self._parts(key)
 
         def do() -> ObjectInfo:
+            with self._reach(key, make=True) as path:
+                return placed(path)
+
+        def placed(path: str) -> ObjectInfo:
             if key.endswith("/"):
                 if data:
                     raise InvalidKey(f"directory marker {key!r} must be empty")
@@ -281,7 +263,7 @@ class LocalStore(ObjectStore):
                     os.setxattr(path, META_XATTR + name, value.encode())
                 return self._info(key, path, os.stat(path), False)
 
-            st = self._write_atomic(path, lambda fd: _write_all(fd, data, 0), metadata)
+            st = self._write_atomic(path, lambda fd: write_all(fd, data, 0), metadata)
             return ObjectInfo(key, st.st_size, _etag(os.stat(path)), st.st_mtime,
                               dict(metadata or {}))
         return await self._run(do)
@@ -293,7 +275,7 @@ class LocalStore(ObjectStore):
 
     async def create_multipart(self, key: str,
                                metadata: dict[str, str] | None = None) -> str:
-        self._path(key)
+        self._parts(key)
         upload_id = uuid.uuid4().hex
 
         def do() -> str:
@@ -368,7 +350,7 @@ class LocalStore(ObjectStore):
             return False
         fd = os.open(os.path.join(staging, ASSEMBLY), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            _write_all(fd, data, offset)
+            write_all(fd, data, offset)
         finally:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):  # (sent before without its offset)
@@ -378,22 +360,26 @@ class LocalStore(ObjectStore):
 
     async def complete_multipart(self, key: str, upload_id: str,
                                  parts: list[tuple[int, str]]) -> ObjectInfo:
-        path = self._path(key)
+        self._parts(key)
         staging = self._staging(upload_id)
 
         def do() -> ObjectInfo:
+            with self._reach(key, make=True) as path:
+                return completed(path)
+
+        def completed(path: str) -> ObjectInfo:
             if not os.path.isdir(staging):
                 raise ObjectNotFound(f"no such upload {upload_id}")
             metadata = {n[len(META_XATTR):]: os.getxattr(staging, n).decode()
                         for n in os.listxattr(staging) if n.startswith(META_XATTR)}
             with self._placing(upload_id) as places:
-                pieces = [_piece(staging, places, number) for number, _ in sorted(parts)]
+                pieces = [piece(staging, places, number) for number, _ in sorted(parts)]
             st = None
-            if _tiles(pieces):
+            if tiles(pieces):
                 st = self._rename_assembly(staging, path, pieces[-1][1] + pieces[-1][2],
                                            metadata)
             if st is None:
-                st = self._write_atomic(path, lambda fd: _copy_pieces(fd, staging, pieces),
+                st = self._write_atomic(path, lambda fd: copy_pieces(fd, staging, pieces),
                                         metadata)
             shutil.rmtree(staging, ignore_errors=True)
             self._forget_upload(upload_id)
@@ -483,27 +469,33 @@ class LocalStore(ObjectStore):
         dir_part, _, start = prefix.rpartition("/")
         dir_key = dir_part + "/" if dir_part else ""
         try:
-            directory = self._path(dir_key)
+            self._parts(dir_key)
         except InvalidKey:
             return []
         out: list[ObjectInfo | str] = []
         if delimiter is None:
-            self._walk(directory, dir_key, start, out)
+            self._walk(dir_key, start, out)
         elif delimiter == "/":
-            self._scan(directory, dir_key, start, out)
+            self._scan(dir_key, start, out)
         else:
             raise InvalidKey("the local lake supports only '/' as delimiter")
         out.sort(key=lambda e: e if isinstance(e, str) else e.key)
         return out
 
-    def _scan(self, directory: str, dir_key: str, start: str,
-              out: list[ObjectInfo | str]) -> None:
+    def _scan(self, dir_key: str, start: str, out: list[ObjectInfo | str]) -> None:
         try:
-            it = os.scandir(directory)
+            with self._reach(dir_key) as directory:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             return
+        try:
+            self._scan_fd(fd, dir_key, start, out)
+        finally:
+            os.close(fd)
+
+    def _scan_fd(self, fd: int, dir_key: str, start: str, out: list[ObjectInfo | str]) -> None:
         top = self.prefix + dir_key == ""
-        with it:
+        with os.scandir(fd) as it:  # (its entries stat relative to the descriptor)
             for entry in it:  # (once per object of a walk: what _info does, inline)
                 name = entry.name
                 if not name.startswith(start) or name.startswith(TMP_PREFIX) or (
@@ -513,58 +505,67 @@ class LocalStore(ObjectStore):
                     if entry.is_dir(follow_symlinks=False):
                         out.append(dir_key + name + "/")
                     elif entry.is_file(follow_symlinks=False):
-                        st = entry.stat()
+                        st = entry.stat(follow_symlinks=False)
                         out.append(ObjectInfo(dir_key + name, st.st_size, _etag(st),
                                               st.st_mtime))
                 except FileNotFoundError:
                     continue
 
-    def _walk(self, directory: str, dir_key: str, start: str,
-              out: list[ObjectInfo | str]) -> None:
+    def _walk(self, dir_key: str, start: str, out: list[ObjectInfo | str]) -> None:
         found: list[ObjectInfo | str] = []
-        self._scan(directory, dir_key, start, found)
-        if dir_key and not start and os.path.isdir(directory) and (
-                not found or MARKER_XATTR in os.listxattr(directory)):
-            out.append(self._info(dir_key, directory, os.stat(directory), False))
+        self._scan(dir_key, start, found)
+        if dir_key and not start:
+            with self._reach(dir_key) as directory:
+                if os.path.isdir(directory) and (
+                        not found or MARKER_XATTR in os.listxattr(directory)):
+                    out.append(self._info(dir_key, directory, os.stat(directory), False))
         for item in found:
             if isinstance(item, str):
-                self._walk(os.path.join(directory, item[len(dir_key):-1]), item, "", out)
+                self._walk(item, "", out)
             else:
                 out.append(item)
 
     async def delete_many(self, keys: list[str]) -> None:
-        paths = [(key, self._path(key)) for key in keys]
+        for key in keys:
+            self._parts(key)
 
         def do() -> None:
-            for key, path in paths:
+            for key in keys:
                 try:
-                    if key.endswith("/"):
-                        _drop_marker(path)
-                        os.rmdir(path)
-                    else:
-                        os.unlink(path)
+                    with self._reach(key) as path:
+                        if key.endswith("/"):
+                            _drop_marker(path)
+                            os.rmdir(path)
+                        else:
+                            os.unlink(path)
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
                     if exc.errno not in (errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
                         raise
                 # drop now-empty implicit parent directories (not markers), as S3 would
-                parent = os.path.dirname(path)
-                while parent != self.root and parent.startswith(self.root):
+                parent = key.rstrip("/").rpartition("/")[0]
+                while parent:
                     try:
-                        if MARKER_XATTR in os.listxattr(parent):
-                            break
-                        os.rmdir(parent)
+                        with self._reach(parent + "/") as path:
+                            if MARKER_XATTR in os.listxattr(path):
+                                break
+                            os.rmdir(path)
                     except OSError:
                         break
-                    parent = os.path.dirname(parent)
+                    parent = parent.rpartition("/")[0]
         await self._run(do)
 
     async def copy(self, src: str, dst: str,
                    metadata: dict[str, str] | None = None) -> str:
-        src_path, dst_path = self._path(src), self._path(dst)
+        self._parts(src)
+        self._parts(dst)
 
         def do() -> str:
+            with self._reach(src) as src_path, self._reach(dst, make=True) as dst_path:
+                return copied(src_path, dst_path)
+
+        def copied(src_path: str, dst_path: str) -> str:
             src_info = self._info(src, src_path, os.stat(src_path), True)
             meta = src_info.metadata if metadata is None else metadata
             if src.endswith("/") or dst.endswith("/"):

@@ -5,10 +5,12 @@ worker, as session fixtures (``moto_server``, ``ceph_server``)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,10 @@ from support.mounts import REPO, wait_for
 
 CEPH_SCRIPT = Path(os.environ.get("AIFS_CEPH_RGW_SCRIPT",
                                   REPO.parent / "shared" / "tools" / "ceph-rgw.sh"))
+# ceph-rgw.sh installs its Debian packages on a fresh machine: two test workers
+# starting a cluster at once ran apt-get at once, and one failed on dpkg's lock
+# (every Ceph test of that worker errored). Starts take turns.
+CEPH_START_LOCK = Path(tempfile.gettempdir()) / "aifs-tests-ceph-start.lock"
 
 
 def ceph_left_out() -> str | None:
@@ -96,8 +102,10 @@ def ceph_process(directory: Path, store_gb: int = 20) -> Iterator[S3Server]:
     env = dict(os.environ, CEPH_RGW_PORT=str(port), CEPH_RGW_MON_PORT=str(free_port()),
                CEPH_RGW_STORE_GB=str(store_gb))
     try:
-        result = subprocess.run(["bash", str(CEPH_SCRIPT), "start", str(directory)], env=env,
-                                capture_output=True, text=True, timeout=600)
+        with open(CEPH_START_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result = subprocess.run(["bash", str(CEPH_SCRIPT), "start", str(directory)],
+                                    env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise RuntimeError(f"ceph-rgw.sh start failed:\n{result.stdout}\n{result.stderr}")
         yield S3Server("ceph", f"http://127.0.0.1:{port}", "aifs", "aifs-secret", directory)

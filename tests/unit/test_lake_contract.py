@@ -181,6 +181,30 @@ async def test_delete_many_and_copy(store):
     assert await store.get_range("c/three", 0, 1) == b"1"
 
 
+async def test_keys_past_path_max(store):
+    """A store holds keys as long as it says (``max_key_bytes``): the local
+    directory past PATH_MAX, through descriptors of the directories on the
+    way; S3 refuses past 1,024 bytes, which the mount checks first."""
+    if store.max_key_bytes < 10_000:
+        pytest.skip(f"this lake's keys stop at {store.max_key_bytes} bytes")
+    deep = "/".join(f"{i:02d}" + "d" * 198 for i in range(40))  # 8,039 bytes
+    await store.put(f"{deep}/f", b"bytes", {"uid": "7"})
+    await store.put(f"{deep}/m/", b"")
+    assert (await store.head(f"{deep}/f")).metadata.get("uid") == "7"
+    assert await store.get_range(f"{deep}/f", 1, 3) == b"yte"
+    page = await store.list_page(f"{deep}/", "/")
+    assert [o.key for o in page.objects] == [f"{deep}/f"] and page.prefixes == [f"{deep}/m/"]
+    walked = [o.key async for p in store.iter_list(deep[:500], None) for o in p.objects]
+    assert walked == [f"{deep}/f", f"{deep}/m/"]
+    await store.copy(f"{deep}/f", f"{deep}/g")
+    upload = await store.create_multipart(f"{deep}/h")
+    part = await store.upload_part(f"{deep}/h", upload, 1, b"whole")
+    await store.complete_multipart(f"{deep}/h", upload, [(1, part)])
+    assert await store.get_range(f"{deep}/h", 0, 5) == b"whole"
+    await store.delete_many([f"{deep}/f", f"{deep}/g", f"{deep}/h", f"{deep}/m/"])
+    assert [p async for p in store.iter_list("00", None)][0].objects == []
+
+
 async def test_directory_marker(store):
     await store.put("empty/", b"")
     page = await store.list_page("", "/")
