@@ -92,7 +92,8 @@ class Promoter:
         self.packer = Packer(self, store, meta, files, config, uid, gid)
         self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
                                self.streams, self.packer, self.pacer)
-        self.deletes = Deletes(host, store, meta, self.stats, self._poke, self._changed)
+        self.deletes = Deletes(host, store, meta, self.stats, self._poke, self._changed,
+                               self.packer.queue_records)
 
     # -- schedule -----------------------------------------------------------
     def schedule(self, ino: int, delay: float | None = None, force: bool = False,

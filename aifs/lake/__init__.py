@@ -5,7 +5,8 @@ multipart, list, delete many, copy); :mod:`~aifs.lake.s3` (boto3, with
 :mod:`~aifs.lake.s3http` for HEAD, GET and LIST, sent over the keep-alive
 connections of :mod:`~aifs.lake.http1`) and :mod:`~aifs.lake.local` (a
 directory, the embedded default) implement it; :mod:`~aifs.lake.retry` wraps
-any store with the one backoff, :mod:`~aifs.lake.counting` counts requests,
+any store with the one backoff, :mod:`~aifs.lake.longkeys` stores keys longer
+than S3 holds under short ones, :mod:`~aifs.lake.counting` counts requests,
 :mod:`~aifs.lake.faulty` fails on purpose (tests).
 
 May import ``config``, ``errors`` and ``xattrs`` only.
@@ -47,12 +48,13 @@ def _open_one(config: Config) -> ObjectStore:
     url = config.resolved_lake()
     parsed = urlparse(url)
     if parsed.scheme == "s3":
+        from aifs.lake.longkeys import LongKeys
         from aifs.lake.s3 import S3Store
         if not parsed.netloc:
             raise ConfigError(f"no bucket in lake URL {url} (use s3://BUCKET[/PREFIX])")
-        return S3Store(parsed.netloc, unquote(parsed.path), endpoint_url=config.endpoint_url,
-                       region=config.region, profile=config.profile,
-                       path_style=config.path_style, max_connections=config.max_connections,
-                       timeout=config.request_timeout,
-                       sign_payload=config.sign_payload)
+        return LongKeys(S3Store(
+            parsed.netloc, unquote(parsed.path), endpoint_url=config.endpoint_url,
+            region=config.region, profile=config.profile, path_style=config.path_style,
+            max_connections=config.max_connections, timeout=config.request_timeout,
+            sign_payload=config.sign_payload))
     raise ConfigError(f"unsupported lake URL {url!r} (use s3://BUCKET/PREFIX or file:///DIR)")

@@ -55,6 +55,11 @@ class ObjectStore(abc.ABC):
         """Fail with a clear LakeError if the lake cannot be used."""
         return None
 
+    def listed(self, key: str) -> bool:
+        """Whether a LIST finds an object of ``key`` under that name (not so
+        for a key the lake holds under another: :mod:`aifs.lake.longkeys`)."""
+        return True
+
     @abc.abstractmethod
     async def head(self, key: str) -> ObjectInfo: ...
 

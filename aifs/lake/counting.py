@@ -61,6 +61,9 @@ class CountingStore(ObjectStore):
         finally:
             self.seconds[op] += time.monotonic() - started
 
+    def listed(self, key: str) -> bool:
+        return self.inner.listed(key)
+
     async def check(self) -> None:
         await self.inner.check()
 

@@ -66,6 +66,9 @@ class FaultyStore(ObjectStore):
         await fn()  # the store acted on it; the caller never hears
         raise LakeUnavailable(f"{what}: injected {kind}", _CAUSE[kind])
 
+    def listed(self, key: str) -> bool:
+        return self.inner.listed(key)
+
     async def check(self) -> None:
         await self._call("check", self.inner.check)
 

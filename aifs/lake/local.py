@@ -92,7 +92,7 @@ class LocalStore(ObjectStore):
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # without /proc (no descriptors to reach through) a path of the lake
         # directory holds at most PATH_MAX - 1 bytes
-        self.max_key_bytes = MAX_KEY - len(self.prefix.encode()) if self._root_fd is not None \
+        self.max_key_bytes = MAX_KEY if self._root_fd is not None \
             else 4095 - len(os.path.join(self.root, self.prefix).encode()) - 1
         self.keys_nest = True
         self.description = f"file://{self.where}" + (f" (prefix {self.prefix})" if prefix

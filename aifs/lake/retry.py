@@ -101,6 +101,9 @@ class RetryingStore(ObjectStore):
         self.max_key_bytes = inner.max_key_bytes
         self.keys_nest = inner.keys_nest
 
+    def listed(self, key: str) -> bool:
+        return self.inner.listed(key)
+
     async def check(self) -> None:
         await self.policy.call("check the lake", self.inner.check, budget=self.check_budget)
 

@@ -250,6 +250,25 @@ class PackIndex:
                 found = cursor.next()
         return out
 
+    def objects_below(self, prefix: str) -> list[Record]:
+        """The records of plain objects aifs put anywhere below ``prefix``
+        (newer than any packed copy or deletion of the same key)."""
+        raw_prefix = scan_prefix(prefix)
+        out: list[Record] = []
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.entries)
+            found = cursor.set_range(raw_prefix)
+            while found:
+                key, value = cursor.item()
+                if not key.startswith(raw_prefix):
+                    break
+                if b'"op":"obj"' in value:
+                    record = stored_json(value)
+                    if record["key"].startswith(prefix):
+                        out.append(record)
+                found = cursor.next()
+        return out
+
     @staticmethod
     def _long_child(prefix: str, record: Record,
                     out: list[tuple[str, PackedEntry | None]]) -> None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import trio
 
 from aifs.config import Config
-from aifs.errors import FsError, LakeError
+from aifs.errors import FsError, LakeError, ObjectNotFound
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import default_mode, type_bits
 from aifs.meta.store import DIR, FILE, ROOT_INO, Inode, Listed, MetaStore, valid_name
@@ -305,6 +305,7 @@ class Listings:
             nursery.start_soon(part, self._list_pages, directory, prefix, started, entries)
         if failed:
             raise failed[0]
+        await self._unlisted_objects(directory, entries, started)
         await trio.to_thread.run_sync(self._merge_packed, directory, entries, started)
         # A file listed before the directory of the same name loses too.
         names: list[bytes] | None = [] if self.on_changes and directory.listed_at else None
@@ -344,6 +345,35 @@ class Listings:
                                     "the object is hidden")
                     continue
                 entries[name] = Listed(name, FILE, obj.key, obj.size, obj.etag, obj.mtime)
+
+    async def _unlisted_objects(self, directory: Inode, entries: dict[str, Listed],
+                                started: float) -> None:
+        """The children no LIST finds: objects the lake holds under another
+        key, theirs being longer than it takes (:mod:`aifs.lake.longkeys`).
+        The records aifs published when it put them name them; a HEAD each
+        says whether they are still there."""
+        prefix = directory.key
+        if self.store.listed(prefix + "n" * 256 + "/"):
+            return  # no child's key can be that long (a directory's key with a name)
+        wanted = {name: record for name, record in self.packs.objects(prefix).items()
+                  if not self.store.listed(record["key"]) and name.rstrip("/") not in entries
+                  and self._acceptable(directory, name.rstrip("/"), record["key"])}
+        limiter = trio.CapacityLimiter(16)
+
+        async def head(name: str, key: str) -> None:
+            async with limiter:
+                try:
+                    info = await self.store.head(key)
+                except ObjectNotFound:
+                    return  # deleted since
+            if name.endswith("/"):
+                entries[name[:-1]] = Listed(name[:-1], DIR, key, 0, "", started)
+            else:
+                entries[name] = Listed(name, FILE, key, info.size, info.etag, info.mtime)
+
+        async with trio.open_nursery() as nursery:
+            for name, record in wanted.items():
+                nursery.start_soon(head, name, record["key"])
 
     async def _packs_ready(self, prefix: str) -> None:
         """The pack index knows the packed files of directory ``prefix``.

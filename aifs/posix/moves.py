@@ -20,7 +20,7 @@ from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.store import DATA, MAYBE_IN_LAKE, META, Inode, MetaStore
-from aifs.pack.index import deletion, is_packed_at
+from aifs.pack.index import deletion, is_packed_at, object_record
 from aifs.pack.packer import Packer
 from aifs.posix.inodes import Inodes
 from aifs.posix.writes import Writes
@@ -104,6 +104,9 @@ class Moves:
                 etag = await self.store.copy(source.key, new_key, metadata)
             except ObjectNotFound:
                 return [], {}
+            # what the copy's metadata says, for nodes that list it (as after an upload)
+            self.packer.queue_records([object_record(
+                new_key, etag, object_metadata(source, self.inodes.uid, self.inodes.gid))])
             return [source.key], {new_key: etag}
         await self.promoter.wait_landed(new_key, below=True)  # (as above)
         old_keys, copies, markers = await self._objects_below(source, new_key)
@@ -136,7 +139,29 @@ class Moves:
             raise failures[0]
         if source.key not in old_keys:
             old_keys.append(source.key)  # the marker, if any
+        await self._describe_copies(source.key, new_key, etags)
         return old_keys, etags
+
+    async def _describe_copies(self, old_key: str, new_key: str,
+                               etags: dict[str, str]) -> None:
+        """Records of a renamed directory's copies, as an upload leaves: a
+        node listing them takes their attributes from there (without one, a
+        fresh node showed the copy's time and default modes), and one whose
+        key no LIST finds (longer than the lake takes: lake.longkeys) is
+        listed from its record alone. An object no record described (another
+        tool's) gets one only where no LIST would find it, from its metadata."""
+        metas = {r["key"]: r.get("meta") or {} for r in self.packs.objects_below(old_key)}
+        records = []
+        for dst, etag in etags.items():
+            meta = metas.get(old_key + dst[len(new_key):])
+            if meta is None and not self.store.listed(dst):
+                try:
+                    meta = dict((await self.store.head(dst)).metadata)
+                except ObjectNotFound:
+                    continue
+            if meta is not None:
+                records.append(object_record(dst, etag, meta))
+        self.packer.queue_records(records)
 
     async def _objects_below(self, source: Inode, new_key: str) -> tuple[
             list[str], list[tuple[str, str]], list[tuple[str, str]]]:
@@ -147,30 +172,38 @@ class Moves:
         copies: list[tuple[str, str]] = []
         markers: list[tuple[str, str]] = []
         unpromoted: bool | None = None  # data below not yet in the lake (asked once)
+
+        def take(key: str) -> None:
+            nonlocal unpromoted
+            old_keys.append(key)
+            if self.meta.tombstoned(key):
+                return
+            owner = self.meta.owner_of(key)
+            if owner is None and self.promoter.landing(key):
+                return  # a removed entry's upload, landed: tombstoned on its reply
+            owner_inode = self.meta.get(owner) if owner else None
+            if owner_inode is not None and owner_inode.pending & DATA:
+                return  # uploaded under its new key later
+            if owner_inode is not None and owner_inode.packed:
+                entry = self.packs.entry(key)
+                if entry is not None and not entry.origin and is_packed_at(owner_inode, entry):
+                    return  # a stale object under a packed file's name: deleted
+            pair = (key, new_key + key[len(source.key):])
+            if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
+                if unpromoted is None:
+                    unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
+                                     for i in self.meta.pending_inodes())
+                if unpromoted and self.inodes.local.has(owner_inode.ino):
+                    return  # uploaded again, after the data it commits
+                markers.append(pair)
+            else:
+                copies.append(pair)
+
         async for page in self.store.iter_list(source.key, None):
             for obj in page.objects:
-                old_keys.append(obj.key)
-                if self.meta.tombstoned(obj.key):
-                    continue
-                owner = self.meta.owner_of(obj.key)
-                if owner is None and self.promoter.landing(obj.key):
-                    continue  # a removed entry's upload, landed: tombstoned on its reply
-                owner_inode = self.meta.get(owner) if owner else None
-                if owner_inode is not None and owner_inode.pending & DATA:
-                    continue  # uploaded under its new key later
-                if owner_inode is not None and owner_inode.packed:
-                    entry = self.packs.entry(obj.key)
-                    if entry is not None and not entry.origin \
-                            and is_packed_at(owner_inode, entry):
-                        continue  # a stale object under a packed file's name: deleted
-                pair = (obj.key, new_key + obj.key[len(source.key):])
-                if owner_inode is not None and self.checkpoints.is_marker(owner_inode):
-                    if unpromoted is None:
-                        unpromoted = any(i.pending & DATA and i.key.startswith(source.key)
-                                         for i in self.meta.pending_inodes())
-                    if unpromoted and self.inodes.local.has(owner_inode.ino):
-                        continue  # uploaded again, after the data it commits
-                    markers.append(pair)
-                else:
-                    copies.append(pair)
+                take(obj.key)
+        # objects no LIST finds (keys longer than the lake takes): their records
+        for record in self.packs.objects_below(source.key):
+            if not self.store.listed(record["key"]):
+                take(record["key"])
         return old_keys, copies, markers

@@ -1,5 +1,7 @@
-"""Long names and long paths: names up to 255 bytes and paths up to PATH_MAX
-work (whatever the lake key's length), a longer name gets ENAMETOOLONG."""
+"""Long names and long paths: names up to 255 bytes, and paths to PATH_MAX
+and past it (reached through descriptors) on every lake, S3's 1,024-byte
+keys notwithstanding (lake.longkeys), up to keys of 64 KiB; a longer name
+gets ENAMETOOLONG."""
 
 from __future__ import annotations
 
@@ -40,31 +42,38 @@ def test_long_names(sides):
     both(sides, case)
 
 
-def test_paths_longer_than_the_lake_keys_are_refused(sides, conf_mount):
-    """S3 keys hold at most 1,024 bytes: a deeper name gets ENAMETOOLONG at
-    once (a difference from ext4 listed in SEMANTICS.md), and what was made
-    stays usable. The local-directory lake takes paths up to PATH_MAX."""
-    if conf_mount.lake.kind == "local":
-        pytest.skip("the local-directory lake holds PATH_MAX paths (see the 3,000-byte case)")
-    deep = deep_path(sides[0].path, 1000)
-    deep.mkdir(parents=True)
-    (deep / "ok").write_bytes(b"fits")
-    key = len(os.fsencode(deep.relative_to(conf_mount.path))) + len(conf_mount.lake.prefix)
-    too_long = "n" * (1024 - key)  # with the "/" before it: 1,025 bytes
-    assert len(too_long) <= 255
-    for fn in (os.mkdir, lambda p: p.write_bytes(b"x"), lambda p: os.symlink("t", p)):
-        with pytest.raises(OSError) as info:
-            fn(Path(deep / too_long))
-        assert info.value.errno == errno.ENAMETOOLONG
-    with pytest.raises(OSError) as info:
-        os.rename(deep / "ok", deep / too_long)
-    assert info.value.errno == errno.ENAMETOOLONG
-    assert (deep / "ok").read_bytes() == b"fits"
+def test_paths_longer_than_64_kib_are_refused(sides, conf_mount):
+    """Keys stop at 64 KiB, a path from the mount's root (what a journal
+    record carries; S3 keys past 1,024 bytes are stored under short ones): a
+    deeper name gets ENAMETOOLONG at once (a difference from ext4 listed in
+    SEMANTICS.md), and what was made stays usable."""
+    base = len(os.fsencode(sides[0].path.relative_to(conf_mount.path))) + 1
+    names = [f"{i:03d}" + "d" * 196 for i in range(327)]
+    key = base + 200 * len(names)  # of the deepest directory, with its "/"
+    fd = down(os.open(sides[0].path, os.O_RDONLY | os.O_DIRECTORY), names)
+    try:
+        fits, too_long = "f" * (65536 - key), "n" * (65537 - key)
+        assert 0 < len(fits) < len(too_long) <= 255
+        f = os.open(fits, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd)
+        os.write(f, b"fits")
+        os.close(f)
+        for make in (lambda name: os.mkdir(name, dir_fd=fd),
+                     lambda name: os.open(name, os.O_CREAT | os.O_WRONLY, dir_fd=fd),
+                     lambda name: os.symlink("t", name, dir_fd=fd),
+                     lambda name: os.rename(fits, name, src_dir_fd=fd, dst_dir_fd=fd)):
+            with pytest.raises(OSError) as info:
+                make(too_long)
+            assert info.value.errno == errno.ENAMETOOLONG
+        g = os.open(fits, os.O_RDONLY, dir_fd=fd)
+        assert os.read(g, 10) == b"fits"
+        os.close(g)
+    finally:
+        os.close(fd)
 
 
 def test_path_of_3000_bytes(sides, conf_mount):
-    if conf_mount.lake.kind != "local":
-        pytest.skip("S3 keys hold at most 1,024 bytes")
+    """On S3, past 1,024 bytes, the lake holds the object under a short key
+    (lake.longkeys)."""
 
     def case(root: Path):
         deep = deep_path(root, 3000)
@@ -101,8 +110,6 @@ def test_paths_past_path_max_below_the_mount(sides, conf_mount):
     the working directory works, one byte more gets ENAMETOOLONG (the
     kernel's limit); and a tree goes deeper than PATH_MAX from the mount's
     root, reached through descriptors, as on a local disk."""
-    if conf_mount.lake.kind != "local":
-        pytest.skip("S3 keys hold at most 1,024 bytes")
 
     def case(root: Path):
         out: list[object] = []

@@ -188,3 +188,35 @@ def test_files_other_tools_wrote_change_through_a_mount_as_on_tmpfs(lake, mounte
     a.unmount()
     b = mounter(lake, name="b")
     assert _tree(b.path / "ds") == expected
+
+
+def test_a_renamed_directory_keeps_its_files_attributes_on_a_fresh_node(lake, mounter,
+                                                                           aifs_cli):
+    """A directory renamed after its files reached the lake: its files are
+    copies there, and a node listing them shows the modes, owners and times
+    the writer set (the rename publishes their records, as an upload does),
+    not the copies' times and default modes."""
+    a = mounter(lake, "--pack-threshold", "64K", "--pack-wait", "0.2", name="a")
+    (a.path / "d").mkdir()
+    for i in range(3):
+        path = a.path / "d" / f"f{i}.bin"
+        path.write_bytes(os.urandom(100 * KiB))
+        if i:  # (f0 as written: its time is when it was)
+            os.chmod(path, (0o600, 0o640, 0o755)[i])
+            os.chown(path, 1000 + i, 2000 + i)
+            os.utime(path, ns=(1_600_000_000_000_000_000 + i, 1_600_000_000_123_456_789 + i))
+    result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert result.returncode == 0, result.stderr
+    os.rename(a.path / "d", a.path / "e")
+    os.rename(a.path / "e" / "f0.bin", a.path / "e" / "g0.bin")  # and a file of it
+    result = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert result.returncode == 0, result.stderr
+    before = stats(a.path / "e")
+    a.unmount()
+    b = mounter(lake, name="b")
+    assert stats(b.path / "e") == before  # (no xattr asked for: that reads each object)
+
+
+def stats(root: Path) -> dict[str, tuple[int, int, int, int, int]]:
+    return {rel: (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns)
+            for rel, _, st in entries(root)}
