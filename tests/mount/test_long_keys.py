@@ -2,7 +2,7 @@
 prefix included): the object goes under ``.aifs/long/<hash>`` and the journal
 record carries the whole path, so a fresh node lists, stats and reads it;
 renames (of a file, of a directory whose files' keys grow past the limit, of
-a directory already past it) and deletes round-trip (docs/SEMANTICS.md,
+a directory already past it), a hard link and deletes round-trip (docs/SEMANTICS.md,
 "Lake key length"). On the local lake the same paths are plain files."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ DEEP = Path(*[f"{i}" + "d" * 199 for i in range(6)])
 
 
 def tree(root: Path) -> dict[str, tuple]:
-    """Every entry below ``root``: type and permission bits, owner, size,
-    mtime, symlink target, bytes."""
+    """Every entry below ``root``: type and permission bits, owner, links,
+    size, mtime, symlink target, bytes."""
     out = {}
     for directory, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -29,7 +29,8 @@ def tree(root: Path) -> dict[str, tuple]:
             st = os.lstat(path)
             link = os.readlink(path) if os.path.islink(path) else None
             data = open(path, "rb").read() if os.path.isfile(path) and not link else None
-            out[os.path.relpath(path, root)] = (st.st_mode, st.st_uid, st.st_gid,
+            links = st.st_nlink if data is not None else None  # (a directory's: not yet listed)
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_uid, st.st_gid, links,
                                                st.st_size if data is not None else None,
                                                st.st_mtime_ns if data is not None else None,
                                                link, data)
@@ -59,10 +60,11 @@ def test_paths_longer_than_the_lake_takes_round_trip_through_a_fresh_node(
     os.rename(a.path / "t" / "short", deep / "moved")  # its file's key grows past the limit
     os.rename(deep / "sub", deep / "sub2")  # a directory already past it
     os.unlink(deep / "gone.bin")
+    os.link(deep / "after.bin", deep / "hard")
     sync = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
     assert sync.returncode == 0, sync.stderr
     before = tree(a.path / "t")
-    assert len(before) == 15 and before[str(DEEP / "moved" / "f.bin")][3] == 100 * KiB
+    assert len(before) == 16 and before[str(DEEP / "moved" / "f.bin")][4] == 100 * KiB
     a.unmount()
 
     keys = list(lake_objects(lake))  # (objects only: packed files are in packs)
