@@ -50,6 +50,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--log-level", default="warning", help="the mount's")
     parser.add_argument("--json", help="write results here too")
+    parser.add_argument("--mount-arg", action="append", default=[],
+                        help="an option for aifs mount (repeat), e.g. --mount-arg=--part-size=16M")
     args = parser.parse_args()
     size, free = parse_size(args.size), parse_size(args.free)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -76,13 +78,14 @@ def main() -> int:
                 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={free + META_RESERVE}",
                                 "tmpfs", str(disk)], check=True)
                 mount = Mount(lake, work / "mnt", disk / "cache", work / "aifs.log",
-                              ["--log-level", args.log_level])
+                              ["--log-level", args.log_level, *args.mount_arg])
                 try:
                     st = os.statvfs(disk)
                     runs.setdefault("free_at_start_mib", []).append(
                         st.f_bavail * st.f_frsize / MiB)
                     start = time.perf_counter()
                     write_file(mount.path / f"big-{rep}.bin", 0, size)
+                    runs.setdefault("aifs_closed_s", []).append(time.perf_counter() - start)
                     aifs_sync(mount.path, 1800)
                     runs.setdefault("aifs_s", []).append(time.perf_counter() - start)
                 finally:
