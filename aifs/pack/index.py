@@ -257,16 +257,12 @@ class PackIndex:
         out: list[Record] = []
         with self.env.begin() as txn:
             cursor = txn.cursor(db=self.entries)
-            found = cursor.set_range(raw_prefix)
-            while found:
-                key, value = cursor.item()
+            for key, value in cursor.iternext() if cursor.set_range(raw_prefix) else ():
                 if not key.startswith(raw_prefix):
                     break
-                if b'"op":"obj"' in value:
-                    record = stored_json(value)
-                    if record["key"].startswith(prefix):
-                        out.append(record)
-                found = cursor.next()
+                if b'"op":"obj"' in value and (record := stored_json(value))["key"] \
+                        .startswith(prefix):
+                    out.append(record)
         return out
 
     @staticmethod
