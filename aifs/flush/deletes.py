@@ -16,7 +16,6 @@ from aifs.flush.host import PromotionHost
 from aifs.flush.stats import PromoteStats
 from aifs.lake.base import ObjectStore
 from aifs.meta.store import DATA, MetaStore
-from aifs.pack.index import Record, deletion
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +31,9 @@ class Deletes:
     def __init__(self, host: PromotionHost, store: ObjectStore, meta: MetaStore,
                  stats: PromoteStats, wake: Callable[[], None],
                  progressed: Callable[[], None],
-                 publish: Callable[[list[Record]], None]) -> None:
+                 unlisted_deleted: Callable[[list[str]], None]) -> None:
         self.host = host
-        self._publish = publish  # journal records: the deletion of a key no LIST finds
+        self._unlisted_deleted = unlisted_deleted  # (Packer.objects_deleted)
         self.store = store
         self.meta = meta
         self.stats = stats
@@ -128,7 +127,7 @@ class Deletes:
         self.stats.deletes += len(batch)
         # Other nodes list an object of a key longer than the lake takes from
         # its record (lake.longkeys): a deletion record ends it there.
-        self._publish([deletion(key) for key in batch if not self.store.listed(key)])
+        self._unlisted_deleted([key for key in batch if not self.store.listed(key)])
         self.meta.drop_tombstones(marks)  # not those tombstoned again meanwhile
         self._progressed()
 

@@ -93,7 +93,7 @@ class Promoter:
         self.uploads = Uploads(host, store, meta, files, config, uid, gid, self.stats,
                                self.streams, self.packer, self.pacer)
         self.deletes = Deletes(host, store, meta, self.stats, self._poke, self._changed,
-                               self.packer.queue_records)
+                               self.packer.objects_deleted)
 
     # -- schedule -----------------------------------------------------------
     def schedule(self, ino: int, delay: float | None = None, force: bool = False,

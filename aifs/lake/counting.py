@@ -119,6 +119,10 @@ class CountingStore(ObjectStore):
         return await self._count("ListMultipartUploads",
                                  lambda: self.inner.list_uploads(prefix))
 
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        return await self._count("ListMultipartUploads",
+                                 lambda: self.inner.list_multipart(key))
+
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
         return await self._count("ListObjectsV2", lambda: self.inner.list_page(

@@ -117,6 +117,10 @@ class FaultyStore(ObjectStore):
         return await self._call(f"list uploads of {prefix}",
                                 lambda: self.inner.list_uploads(prefix))
 
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        return await self._call(f"list uploads of {key}",
+                                lambda: self.inner.list_multipart(key))
+
     async def list_page(self, prefix: str, delimiter: str | None = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:
         return await self._call(f"LIST {prefix}", lambda: self.inner.list_page(

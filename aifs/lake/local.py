@@ -147,7 +147,10 @@ class LocalStore(ObjectStore):
 
     def _reach(self, key: str, make: bool = False) -> contextlib.AbstractContextManager[str]:
         """The path of ``key``'s file or directory, good inside a ``with``
-        block (:func:`aifs.lake.localfiles.reach`). Called in a worker thread."""
+        block (:func:`aifs.lake.localfiles.reach`). Called in a worker thread.
+        Without /proc, keys are short enough to go from the root by name."""
+        if self._root_fd is None:
+            return contextlib.nullcontext(os.path.join(self.root, *self._parts(key)))
         return reach(self.root, self._parts(key), make)
 
     def _info(self, key: str, path: str, st: os.stat_result, with_meta: bool) -> ObjectInfo:
@@ -515,10 +518,13 @@ class LocalStore(ObjectStore):
         found: list[ObjectInfo | str] = []
         self._scan(dir_key, start, found)
         if dir_key and not start:
-            with self._reach(dir_key) as directory:
-                if os.path.isdir(directory) and (
-                        not found or MARKER_XATTR in os.listxattr(directory)):
-                    out.append(self._info(dir_key, directory, os.stat(directory), False))
+            try:
+                with self._reach(dir_key) as directory:
+                    if os.path.isdir(directory) and (
+                            not found or MARKER_XATTR in os.listxattr(directory)):
+                        out.append(self._info(dir_key, directory, os.stat(directory), False))
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # gone meanwhile (a directory on the way too)
         for item in found:
             if isinstance(item, str):
                 self._walk(item, "", out)

@@ -188,6 +188,10 @@ class RetryingStore(ObjectStore):
         return await self.policy.call(f"list uploads of {prefix or '/'}",
                                       lambda: self.inner.list_uploads(prefix))
 
+    async def list_multipart(self, key: str) -> list[tuple[str, float]]:
+        return await self.policy.call(f"list uploads of {key}",
+                                      lambda: self.inner.list_multipart(key))
+
     def made_by_upload(self, info: ObjectInfo, upload_id: str,
                        parts: list[tuple[int, str]]) -> bool:
         return self.inner.made_by_upload(info, upload_id, parts)

@@ -39,6 +39,7 @@ from aifs.pack.index import (
     PackIndex,
     Record,
     checksum,
+    deletion,
     pack_key,
 )
 from aifs.pack.journals import Journals, PackStats
@@ -316,6 +317,20 @@ class Packer:
         return data, entries
 
     # -- records of changes without data ---------------------------------------
+    def objects_deleted(self, keys: list[str]) -> None:
+        """Objects at ``keys`` left the lake: where the index's word on a key
+        is the record of such an object, a deletion ends it (stamped after
+        it), so nodes that list the key from its record (lake.longkeys) drop
+        it; a newer record (a packed file of that name) stays."""
+        records = []
+        for key in keys:
+            parent = key.rstrip("/").rpartition("/")[0]
+            parent = parent + "/" if parent else ""
+            record = self.index.objects(parent).get(key[len(parent):])
+            if record is not None:
+                records.append(deletion(key, max(time.time_ns(), record["t"] + 1)))
+        self.queue_records(records)
+
     def queue_records(self, records: list[Record], lazy: bool = False) -> None:
         """Queue records for the next journal: soon (one pack_wait), or
         ``lazy``: with the next pack, or after RECORDS_WAITS pack_waits (a

@@ -359,6 +359,9 @@ class Listings:
                   if not self.store.listed(record["key"]) and name.rstrip("/") not in entries
                   and self._acceptable(directory, name.rstrip("/"), record["key"])}
         limiter = trio.CapacityLimiter(16)
+        files: dict[str, Listed] = {}
+        dirs: dict[str, Listed] = {}
+        failed: list[LakeError] = []
 
         async def head(name: str, key: str) -> None:
             async with limiter:
@@ -366,14 +369,21 @@ class Listings:
                     info = await self.store.head(key)
                 except ObjectNotFound:
                     return  # deleted since
+                except LakeError as exc:  # raised below as itself, not in a group
+                    failed.append(exc)
+                    return
             if name.endswith("/"):
-                entries[name[:-1]] = Listed(name[:-1], DIR, key, 0, "", started)
+                dirs[name[:-1]] = Listed(name[:-1], DIR, key, 0, "", started)
             else:
-                entries[name] = Listed(name, FILE, key, info.size, info.etag, info.mtime)
+                files[name] = Listed(name, FILE, key, info.size, info.etag, info.mtime)
 
         async with trio.open_nursery() as nursery:
             for name, record in wanted.items():
                 nursery.start_soon(head, name, record["key"])
+        if failed:
+            raise failed[0]
+        entries.update(files)
+        entries.update(dirs)  # a directory wins over a file of its name, as in a LIST
 
     async def _packs_ready(self, prefix: str) -> None:
         """The pack index knows the packed files of directory ``prefix``.

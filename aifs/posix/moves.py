@@ -10,6 +10,7 @@ promoter. Packed files move by records instead: a record under the new key
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import trio
@@ -24,6 +25,8 @@ from aifs.pack.index import deletion, is_packed_at, object_record
 from aifs.pack.packer import Packer
 from aifs.posix.inodes import Inodes
 from aifs.posix.writes import Writes
+
+log = logging.getLogger(__name__)
 
 COPY_CONCURRENCY = 16
 
@@ -104,12 +107,18 @@ class Moves:
                 etag = await self.store.copy(source.key, new_key, metadata)
             except ObjectNotFound:
                 return [], {}
-            # what the copy's metadata says, for nodes that list it (as after an upload)
-            self.packer.queue_records([object_record(
-                new_key, etag, object_metadata(source, self.inodes.uid, self.inodes.gid))])
+            # what the copy's metadata says, for nodes that list it (as after an
+            # upload), where this node knows it (not: another tool's object)
+            if source.attrs_known or source.pending & META:
+                self.packer.queue_records([object_record(
+                    new_key, etag, object_metadata(source, self.inodes.uid, self.inodes.gid))])
+            else:
+                await self._describe_copies(source.key, new_key, {new_key: etag},
+                                            {source.key: source.etag})
             return [source.key], {new_key: etag}
         await self.promoter.wait_landed(new_key, below=True)  # (as above)
-        old_keys, copies, markers = await self._objects_below(source, new_key)
+        listed: dict[str, str] = {}  # old key -> its ETag, as the lake gave it
+        old_keys, copies, markers = await self._objects_below(source, new_key, listed)
         etags: dict[str, str] = {}
         limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
 
@@ -139,31 +148,40 @@ class Moves:
             raise failures[0]
         if source.key not in old_keys:
             old_keys.append(source.key)  # the marker, if any
-        await self._describe_copies(source.key, new_key, etags)
+        await self._describe_copies(source.key, new_key, etags, listed)
         return old_keys, etags
 
     async def _describe_copies(self, old_key: str, new_key: str,
-                               etags: dict[str, str]) -> None:
+                               etags: dict[str, str], listed: dict[str, str]) -> None:
         """Records of a renamed directory's copies, as an upload leaves: a
         node listing them takes their attributes from there (without one, a
         fresh node showed the copy's time and default modes), and one whose
         key no LIST finds (longer than the lake takes: lake.longkeys) is
-        listed from its record alone. An object no record described (another
-        tool's) gets one only where no LIST would find it, from its metadata."""
-        metas = {r["key"]: r.get("meta") or {} for r in self.packs.objects_below(old_key)}
+        listed from its record alone. A record of the source is taken where
+        it describes the version copied (its ETag as ``listed`` gives it; an
+        object no LIST finds only aifs writes); an object no record describes
+        (another tool's, or changed since) gets one only where no LIST would
+        find it, from the copy's metadata (a HEAD: best effort, the copies
+        are made)."""
+        known = {r["key"]: r for r in self.packs.objects_below(old_key)}
         records = []
         for dst, etag in etags.items():
-            meta = metas.get(old_key + dst[len(new_key):])
-            if meta is None and not self.store.listed(dst):
+            src = old_key + dst[len(new_key):]
+            record = known.get(src)
+            meta = None
+            if record is not None and (src not in listed or record.get("etag") == listed[src]):
+                meta = record.get("meta") or {}
+            elif not self.store.listed(dst):
                 try:
                     meta = dict((await self.store.head(dst)).metadata)
-                except ObjectNotFound:
+                except LakeError as exc:  # (ObjectNotFound: gone since)
+                    log.warning("no record for %s: %s", dst, exc)
                     continue
             if meta is not None:
                 records.append(object_record(dst, etag, meta))
         self.packer.queue_records(records)
 
-    async def _objects_below(self, source: Inode, new_key: str) -> tuple[
+    async def _objects_below(self, source: Inode, new_key: str, listed: dict[str, str]) -> tuple[
             list[str], list[tuple[str, str]], list[tuple[str, str]]]:
         """The keys below a directory renamed to ``new_key``: all of them (to
         delete), the (old, new) pairs to copy, and the commit markers' pairs,
@@ -201,6 +219,7 @@ class Moves:
 
         async for page in self.store.iter_list(source.key, None):
             for obj in page.objects:
+                listed[obj.key] = obj.etag
                 take(obj.key)
         # objects no LIST finds (keys longer than the lake takes): their records
         for record in self.packs.objects_below(source.key):

@@ -201,8 +201,11 @@ class Writes:
         if streams.spill(amount) and self.local.disk_free() >= wanted:
             return True  # (the common case on a short disk: no log line)
         self.inodes.counters.disk_full += 1
-        log.warning("local cache disk full: evicting clean data, waiting up to %.0fs for "
-                    "promotion", DISK_FULL_WAIT)
+        # Files streaming through a short disk wait for their parts as a rule:
+        # no warning for that (it came several times per GiB written).
+        log.log(logging.DEBUG if streams.spillable() else logging.WARNING,
+                "local cache disk full: evicting clean data, waiting up to %.0fs for "
+                "promotion", DISK_FULL_WAIT)
         await trio.to_thread.run_sync(self.cache.evict, amount, limiter=self.inodes.disk)
         self.local.evict(amount)
         with trio.move_on_after(DISK_FULL_WAIT):

@@ -73,3 +73,23 @@ def test_paths_longer_than_the_lake_takes_round_trip_through_a_fresh_node(
         assert any(key.startswith(LONG_KEYS) for key in keys), keys
     b = mounter(lake, name="b")  # an empty cache of its own
     assert tree(b.path / "t") == before
+
+
+def test_a_long_file_packed_after_it_was_an_object_stays_on_a_fresh_node(lake, mounter,
+                                                                         aifs_cli):
+    """A file past the limit rewritten small: its new bytes are packed and its
+    old object deleted; what the delete publishes for other nodes (the end of
+    the object's record) must not end the packed file too."""
+    a = mounter(lake, "--pack-threshold", "64K", "--pack-wait", "0.2", name="a")
+    deep = a.path / "t" / DEEP
+    deep.mkdir(parents=True)
+    (deep / "f.bin").write_bytes(os.urandom(100 * KiB))  # an object of its own
+    sync = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert sync.returncode == 0, sync.stderr
+    small = os.urandom(3 * KiB)
+    (deep / "f.bin").write_bytes(small)  # packed now; the object goes
+    sync = aifs_cli("sync", str(a.path), "--quiet", timeout=300)
+    assert sync.returncode == 0, sync.stderr
+    a.unmount()
+    b = mounter(lake, name="b")
+    assert (b.path / "t" / DEEP / "f.bin").read_bytes() == small
