@@ -323,10 +323,8 @@ class Packer:
         it), so nodes that list the key from its record (lake.longkeys) drop
         it; a newer record (a packed file of that name) stays."""
         records = []
-        for key in keys:
-            parent = key.rstrip("/").rpartition("/")[0]
-            parent = parent + "/" if parent else ""
-            record = self.index.objects(parent).get(key[len(parent):])
+        for key in keys:  # (a scan of the key's own records, not its directory's)
+            record = next((r for r in self.index.objects_below(key) if r["key"] == key), None)
             if record is not None:
                 records.append(deletion(key, max(time.time_ns(), record["t"] + 1)))
         self.queue_records(records)

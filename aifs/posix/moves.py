@@ -21,7 +21,7 @@ from aifs.flush.promoter import Promoter
 from aifs.lake.base import ObjectStore
 from aifs.meta.objattrs import to_metadata as object_metadata
 from aifs.meta.store import DATA, MAYBE_IN_LAKE, META, Inode, MetaStore
-from aifs.pack.index import deletion, is_packed_at, object_record
+from aifs.pack.index import Record, deletion, is_packed_at, object_record
 from aifs.pack.packer import Packer
 from aifs.posix.inodes import Inodes
 from aifs.posix.writes import Writes
@@ -113,12 +113,14 @@ class Moves:
                 self.packer.queue_records([object_record(
                     new_key, etag, object_metadata(source, self.inodes.uid, self.inodes.gid))])
             else:
-                await self._describe_copies(source.key, new_key, {new_key: etag},
-                                            {source.key: source.etag})
+                await self._describe_copies(
+                    source.key, new_key, {new_key: etag}, {source.key: source.etag},
+                    {r["key"]: r for r in self.packs.objects_below(source.key)})
             return [source.key], {new_key: etag}
         await self.promoter.wait_landed(new_key, below=True)  # (as above)
         listed: dict[str, str] = {}  # old key -> its ETag, as the lake gave it
-        old_keys, copies, markers = await self._objects_below(source, new_key, listed)
+        known: dict[str, Record] = {}  # old key -> the record aifs published of it
+        old_keys, copies, markers = await self._objects_below(source, new_key, listed, known)
         etags: dict[str, str] = {}
         limiter = trio.CapacityLimiter(COPY_CONCURRENCY)
 
@@ -148,11 +150,12 @@ class Moves:
             raise failures[0]
         if source.key not in old_keys:
             old_keys.append(source.key)  # the marker, if any
-        await self._describe_copies(source.key, new_key, etags, listed)
+        await self._describe_copies(source.key, new_key, etags, listed, known)
         return old_keys, etags
 
     async def _describe_copies(self, old_key: str, new_key: str,
-                               etags: dict[str, str], listed: dict[str, str]) -> None:
+                               etags: dict[str, str], listed: dict[str, str],
+                               known: dict[str, Record]) -> None:
         """Records of a renamed directory's copies, as an upload leaves: a
         node listing them takes their attributes from there (without one, a
         fresh node showed the copy's time and default modes), and one whose
@@ -162,8 +165,7 @@ class Moves:
         object no LIST finds only aifs writes); an object no record describes
         (another tool's, or changed since) gets one only where no LIST would
         find it, from the copy's metadata (a HEAD: best effort, the copies
-        are made)."""
-        known = {r["key"]: r for r in self.packs.objects_below(old_key)}
+        are made). ``known``: the records below ``old_key``, by key."""
         records = []
         for dst, etag in etags.items():
             src = old_key + dst[len(new_key):]
@@ -181,11 +183,13 @@ class Moves:
                 records.append(object_record(dst, etag, meta))
         self.packer.queue_records(records)
 
-    async def _objects_below(self, source: Inode, new_key: str, listed: dict[str, str]) -> tuple[
+    async def _objects_below(self, source: Inode, new_key: str, listed: dict[str, str],
+                             known: dict[str, Record]) -> tuple[
             list[str], list[tuple[str, str]], list[tuple[str, str]]]:
         """The keys below a directory renamed to ``new_key``: all of them (to
         delete), the (old, new) pairs to copy, and the commit markers' pairs,
-        copied after the rest."""
+        copied after the rest; into ``listed`` each listed key's ETag, into
+        ``known`` the records aifs published of objects below (one scan)."""
         old_keys: list[str] = []
         copies: list[tuple[str, str]] = []
         markers: list[tuple[str, str]] = []
@@ -223,6 +227,7 @@ class Moves:
                 take(obj.key)
         # objects no LIST finds (keys longer than the lake takes): their records
         for record in self.packs.objects_below(source.key):
+            known[record["key"]] = record
             if not self.store.listed(record["key"]):
                 take(record["key"])
         return old_keys, copies, markers
