@@ -56,6 +56,13 @@ class Files:
         inode = self.inodes.get(ino)
         if inode.is_dir:
             raise FsError(errno.EISDIR)
+        if inode.orphan and (ino in self.inodes.withdrawn or not self.inodes.is_open(ino)):
+            # Reached by a name the kernel has not yet been told is gone (a
+            # file set aside, or changed in the lake: the notices go out after
+            # the reply). Written, it would take bytes nobody can read again.
+            # ESTALE makes Linux look the name up anew and open, or create,
+            # what it names now (do_filp_open retries with LOOKUP_REVAL).
+            raise FsError(errno.ESTALE)
         writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
         kernel_etag = self.inodes.kernel_etag
         keep_cache = kernel_etag.get(ino) == inode.etag
@@ -214,6 +221,7 @@ class Files:
         than the disk must not keep the disk full), and the file takes the
         lake's last version again, or goes if the lake has none."""
         inodes = self.inodes
+        inodes.withdrawn.add(ino)  # (until freed: see open)
         inodes.forget_written(ino)
         inodes.unclosed.discard(ino)
         inodes.stale_local.discard(ino)

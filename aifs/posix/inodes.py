@@ -111,6 +111,7 @@ class Inodes:
         # application saw the error, so, as after a crash, what they hold is
         # not published (see Hosting.held); ino -> why
         self.write_failed: dict[int, str] = {}
+        self.withdrawn: set[int] = set()  # set aside while mounted: never opened again
         self.changes: dict[int, int] = {}
         self.kernel_etag: dict[int, str] = {}  # the version the kernel's pages are of
         self.dir_times: dict[int, tuple[int, float]] = {}  # ino -> (mtime_ns, ctime)
@@ -208,6 +209,7 @@ class Inodes:
         if inode is None or not inode.orphan:
             return
         self.write_failed.pop(ino, None)  # gone: nothing of it to hold back
+        self.withdrawn.discard(ino)
         self.clear_unclosed(ino)
         self.meta.delete_orphan(ino)
         self.local.remove(ino)
