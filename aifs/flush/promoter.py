@@ -234,6 +234,9 @@ class Promoter:
     async def paced(self, size: int) -> None:  # (Owner, for the packer)
         await self.pacer.take(size)
 
+    def published(self) -> None:  # (Owner: a journal of records alone wakes a sync too)
+        self._changed()
+
     def promote_soon(self, ino: int) -> None:
         """Promote ``ino`` now, whatever its delay (unless it keeps failing)."""
         if ino not in self._failures:

@@ -61,6 +61,7 @@ class Owner(Protocol):
     def handing_over(self) -> bool: ...
     def packed(self, ino: int, key: str, version: int, entry: PackedEntry) -> None: ...
     async def paced(self, size: int) -> None: ...  # before reading local copies
+    def published(self) -> None: ...  # a publication ended (a sync waiting looks again)
 
 
 def new_name(node: str, counter: int) -> str:
@@ -243,6 +244,7 @@ class Packer:
             self._inflight.difference_update(batch)
             self._uploads.release()
             self._wake.set()
+            self.owner.published()
 
     async def _publish(self, batch: dict[int, int]) -> None:
         """One pack of ``batch`` (if any is still as handed over) and one journal
